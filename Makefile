@@ -1,0 +1,42 @@
+# floatguard — two commands do all the set-up on a fresh machine:
+#   make demo   creates .venv, installs, runs the main job
+#   make test   creates .venv, installs, runs ruff, mypy --strict and pytest
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck pytest demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -c constraints.txt "torch==2.13.0"
+	$(PY) -m pip install -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy --strict src
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/floatguard formats
+	$(VENV)/bin/floatguard explain 0.1 --format fp32,bf16,fp16,e4m3fn
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_quantize.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
