@@ -155,7 +155,8 @@ def _round_scaled(
         # float64 draws resolve frac to 2**-53, far finer than any float32 frac.
         u = torch.rand(s.shape, generator=generator, device=s.device, dtype=torch.float64)
         # NaN and inf give a NaN frac, the comparison is False, and lo passes through.
-        s = lo + (u < frac).to(s.dtype)
+        # copysign: -0.3 rounding to zero is -0, as in every other mode.
+        s = torch.copysign(lo + (u < frac).to(s.dtype), s)
     return s * q
 
 
@@ -178,10 +179,18 @@ def _finish(
     r: torch.Tensor,
     x: torch.Tensor,
     fmt: Format,
+    rounding: str,
     overflow: str,
     subnormals: str,
 ) -> torch.Tensor:
     """Apply flush-to-zero, the format's zero/sign rules and its overflow mode."""
+    mx = fmt.max
+    # IEEE 754 directed rounding never overflows a finite value against its direction:
+    # toward zero gives ±max, ceil gives -max for negatives, floor +max for positives.
+    if rounding in ("toward_zero", "ceil", "floor"):
+        lo = -mx if rounding in ("toward_zero", "ceil") else None
+        hi = mx if rounding in ("toward_zero", "floor") else None
+        r = torch.where(torch.isinf(x), r, r.clamp(lo, hi))
     if subnormals == "flush" and fmt.has_subnormals:
         # Tininess after rounding: a value that rounds up to tiny is kept.
         r = torch.where(torch.abs(r) < fmt.tiny, r * 0.0, r)
@@ -192,7 +201,6 @@ def _finish(
         r = r.masked_fill_(~(x > 0), math.nan)
     elif not fmt.has_negative_zero:
         r += 0.0  # -0 + +0 = +0 under round-to-nearest: fnuz has one zero
-    mx = fmt.max
     if overflow == "saturate" or fmt.special == "none":
         # "none" formats have no code for inf or NaN: overflow can only saturate.
         return r.clamp_(-mx if fmt.signed else fmt.tiny, mx)
@@ -221,7 +229,7 @@ def _quantize_block(
     if subnormals == "flush":
         xw = _daz(xw, input_tiny)
     r = _round(xw, fmt, w, rounding, generator)
-    return _finish(r, xw, fmt, overflow, subnormals)
+    return _finish(r, xw, fmt, rounding, overflow, subnormals)
 
 
 def _quantize_impl(
@@ -314,6 +322,10 @@ def quantize(
         generator: the random source for ``rounding="stochastic"`` (ignored
             otherwise); on CPU, blocks are drawn in order, so a seeded generator
             gives the same result every time.
+
+    Directed modes follow IEEE 754 at the top of the range: a finite value never
+    rounds to infinity against the rounding direction (toward_zero gives ±max,
+    floor gives +max for large positives, ceil -max for large negatives).
 
     Special values:
         NaN in gives NaN out for every format, including FP6/FP4 which have no

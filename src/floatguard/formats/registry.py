@@ -223,8 +223,9 @@ class Format:
         for label, value in (("exponent_bits", exponent_bits), ("mantissa_bits", mantissa_bits)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{label} must be an int, got {value!r}")
+        default_bias = (1 << (exponent_bits - 1)) - 1 if exponent_bits >= 1 else 0
         if bias is None:
-            bias = (1 << (exponent_bits - 1)) - 1 if exponent_bits >= 1 else 0
+            bias = default_bias
         if ieee and not has_nan:
             raise ValueError("has_nan=False only applies to finite formats; pass ieee=False too")
         if special is None:
@@ -232,7 +233,7 @@ class Format:
         if name is None:
             suffix = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "none": "fn_nonan"}.get(special, "")
             name = f"e{exponent_bits}m{mantissa_bits}{suffix}"
-            if bias != (1 << (exponent_bits - 1)) - 1:
+            if bias != default_bias:
                 name += f"_b{bias}"
         return cls(name, exponent_bits, mantissa_bits, bias, special)
 

@@ -1,0 +1,159 @@
+"""Format limits against ml_dtypes.finfo / torch.finfo, lookup, custom formats."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import pytest
+import torch
+
+from floatguard.formats import FORMATS, Format, get, names
+
+from .reference import ML_CUSTOM, ML_DTYPES
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_bits_add_up(name: str) -> None:
+    f = FORMATS[name]
+    assert f.bits == int(f.signed) + f.exponent_bits + f.mantissa_bits
+    if f.signed:
+        assert f.bits == 1 + f.exponent_bits + f.mantissa_bits
+
+
+@pytest.mark.parametrize("name", [n for n in ML_DTYPES if n not in ("fp32", "fp16")])
+def test_limits_match_ml_dtypes_finfo(name: str) -> None:
+    f = FORMATS[name]
+    fi = ml_dtypes.finfo(ML_DTYPES[name])
+    assert f.max == float(fi.max)
+    assert f.tiny == float(fi.tiny)
+    assert f.smallest_subnormal == float(fi.smallest_subnormal)
+    assert f.eps == float(fi.eps)
+    assert f.bits == fi.bits
+    assert f.mantissa_bits == fi.nmant
+    assert f.exponent_bits == fi.nexp
+
+
+@pytest.mark.parametrize("name", list(ML_CUSTOM))
+def test_custom_formats_match_ml_dtypes(name: str) -> None:
+    f, dt = ML_CUSTOM[name]
+    fi = ml_dtypes.finfo(dt)
+    assert (f.max, f.tiny, f.smallest_subnormal, f.eps) == (
+        float(fi.max),
+        float(fi.tiny),
+        float(fi.smallest_subnormal),
+        float(fi.eps),
+    )
+
+
+@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.torch_dtype is not None])
+def test_limits_match_torch_finfo(name: str) -> None:
+    f = FORMATS[name]
+    assert f.torch_dtype is not None
+    fi = torch.finfo(f.torch_dtype)
+    assert f.max == fi.max
+    assert f.tiny == fi.tiny
+    if name == "e5m2fnuz":
+        # torch.finfo(float8_e5m2fnuz).eps is 0.125; the definition 2**-m gives 0.25.
+        assert f.eps == 2.0**-2
+        assert fi.eps == 0.125
+    else:
+        assert f.eps == fi.eps
+    if f.has_subnormals:
+        assert f.smallest_subnormal == fi.smallest_normal * 2.0**-f.mantissa_bits
+
+
+def test_eps_is_the_gap_above_one() -> None:
+    for f in FORMATS.values():
+        assert f.next_up(1.0) == 1.0 + f.eps
+
+
+def test_tf32_and_lesson_facts() -> None:
+    assert FORMATS["fp16"].max == 65504.0
+    assert FORMATS["e4m3fn"].max == 448.0
+    assert FORMATS["e5m2"].max == 57344.0
+    tf32 = FORMATS["tf32"]
+    assert tf32.bits == 19 and tf32.tiny == 2.0**-126 and tf32.eps == 2.0**-10
+    assert tf32.max == (2 - 2.0**-10) * 2.0**127
+    assert FORMATS["fp64"].max == 1.7976931348623157e308
+    assert FORMATS["fp64"].smallest_subnormal == 5e-324
+
+
+def test_special_value_flags() -> None:
+    e4 = FORMATS["e4m3fn"]
+    assert (e4.has_inf, e4.has_nan, e4.has_negative_zero) == (False, True, True)
+    uz = FORMATS["e5m2fnuz"]
+    assert (uz.has_inf, uz.has_nan, uz.has_negative_zero) == (False, True, False)
+    fp4 = FORMATS["e2m1fn"]
+    assert (fp4.has_inf, fp4.has_nan, fp4.has_negative_zero) == (False, False, True)
+    e8 = FORMATS["e8m0fnu"]
+    assert (e8.signed, e8.has_zero, e8.has_subnormals) == (False, False, False)
+    assert (e8.max, e8.tiny) == (2.0**127, 2.0**-127)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("e4m3fn", "e4m3fn"),
+        ("float8_e4m3fn", "e4m3fn"),
+        ("fp8_e4m3", "e4m3fn"),
+        ("E5M2", "e5m2"),
+        ("float4_e2m1fn", "e2m1fn"),
+        ("float6_e3m2fn", "e3m2fn"),
+        ("bfloat16", "bf16"),
+        ("half", "fp16"),
+        ("torch.float32", "fp32"),
+        (torch.float16, "fp16"),
+        (torch.bfloat16, "bf16"),
+        (torch.float8_e4m3fn, "e4m3fn"),
+        (torch.float8_e5m2fnuz, "e5m2fnuz"),
+        (torch.float8_e8m0fnu, "e8m0fnu"),
+    ],
+)
+def test_get_aliases(spec: str | torch.dtype, expected: str) -> None:
+    assert get(spec).name == expected
+
+
+def test_get_unknown_names_the_closest_and_the_known() -> None:
+    with pytest.raises(ValueError, match=r"did you mean 'e4m3fnuz'\?.*Known: fp64, fp32") as ei:
+        get("e4m3fz")
+    assert "e2m1fn" in str(ei.value)
+    with pytest.raises(ValueError, match="not a floating-point format"):
+        get(torch.int8)
+    with pytest.raises(TypeError, match="a format is a name"):
+        get(3)  # type: ignore[arg-type]
+
+
+def test_custom_format_validation() -> None:
+    with pytest.raises(ValueError, match="exponent_bits=0"):
+        Format.custom(0, 3)
+    with pytest.raises(ValueError, match="IEEE-like format needs exponent_bits >= 2"):
+        Format.custom(1, 3)
+    with pytest.raises(ValueError, match="has_nan=False only applies"):
+        Format.custom(3, 2, has_nan=False)
+    with pytest.raises(TypeError, match="mantissa_bits must be an int"):
+        Format.custom(3, 2.5)  # type: ignore[arg-type]
+    f = Format.custom(3, 2, ieee=False, has_nan=False)
+    assert f == FORMATS["e3m2fn"].__class__(f.name, 3, 2, 3, "none")
+    assert (f.max, f.tiny) == (FORMATS["e3m2fn"].max, FORMATS["e3m2fn"].tiny)
+    assert Format.custom(5, 2).max == FORMATS["e5m2"].max
+
+
+def test_neighbours() -> None:
+    f = FORMATS["e4m3fn"]
+    assert f.next_up(448.0) is None
+    assert f.next_down(448.0) == 416.0
+    assert f.next_down(1.0) == 1.0 - 2.0**-4
+    assert f.next_up(0.0) == f.smallest_subnormal
+    assert f.next_down(0.0) == -f.smallest_subnormal
+    assert f.next_up(-f.smallest_subnormal) == 0.0
+    assert FORMATS["fp16"].next_up(65504.0) == math.inf
+    e8 = FORMATS["e8m0fnu"]
+    assert e8.next_down(e8.tiny) is None
+    assert e8.next_up(1.0) == 2.0
+    assert e8.next_down(1.0) == 0.5
+
+
+def test_names_in_display_order() -> None:
+    assert names()[:5] == ["fp64", "fp32", "tf32", "fp16", "bf16"]
+    assert len(names()) == 13
