@@ -1,10 +1,9 @@
-"""The ``floatguard`` command line: ``formats`` and ``explain`` (more commands land with later features)."""
+"""The ``floatguard`` command line: ``formats`` and ``explain``."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from typing import Annotated
 
 import typer
@@ -81,9 +80,7 @@ def explain_cmd(
     value: Annotated[str, typer.Argument(help="A number: 0.1, 1e-8, 0x1.cp8, inf, nan.")],
     fmt: Annotated[
         str,
-        typer.Option(
-            "--format", "-f", help="Comma-separated formats, e.g. fp32,bf16,fp16,e4m3fn."
-        ),
+        typer.Option("--format", "-f", help="Comma-separated formats, e.g. fp32,bf16,fp16,e4m3fn."),
     ] = "fp32,bf16,fp16,e4m3fn",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
@@ -108,7 +105,10 @@ def explain_cmd(
         ("sign | exponent | mantissa", [r.bits for r in results]),
         ("stored value", [repr(r.stored) for r in results]),
         ("class", [r.klass + (" (underflow)" if r.underflow else "") for r in results]),
-        ("exponent (unbiased)", ["-" if r.exponent_unbiased is None else str(r.exponent_unbiased) for r in results]),
+        (
+            "exponent (unbiased)",
+            ["-" if r.exponent_unbiased is None else str(r.exponent_unbiased) for r in results],
+        ),
         ("absolute error", [_num(r.abs_error) for r in results]),
         ("relative error", [_num(r.rel_error) for r in results]),
         ("ulp", [_num(r.ulp) for r in results]),

@@ -56,7 +56,9 @@ def decode(fmt: Format | str, codes: torch.Tensor) -> torch.Tensor:
         value = torch.where(neg, -value, value)
     top = field == (1 << e) - 1
     if f.special == "ieee":
-        value = torch.where(top & (mant == 0), torch.copysign(torch.full_like(value, math.inf), value), value)
+        value = torch.where(
+            top & (mant == 0), torch.copysign(torch.full_like(value, math.inf), value), value
+        )
         value = value.masked_fill(top & (mant != 0), math.nan)
     elif f.special == "fn":
         value = value.masked_fill(top & (mant == (1 << m) - 1), math.nan)
@@ -76,7 +78,7 @@ def encode(fmt: Format | str, values: torch.Tensor) -> torch.Tensor:
     v = values.detach().to(torch.float64).cpu().reshape(-1)
     m = f.mantissa_bits
     a = v.abs()
-    mant, ex = torch.frexp(a)
+    _mant, ex = torch.frexp(a)
     e = (ex - 1).to(torch.int64)
     is_sub = (e < f.emin) & (a > 0)
     if f.has_zero:

@@ -137,7 +137,11 @@ def explain(
     if finite and stored != 0.0:
         e_unb = max(math.frexp(abs(stored))[1] - 1, f.emin)
     abs_err = abs(stored - v) if finite and math.isfinite(v) else math.nan
-    rel_err = abs_err / abs(v) if v != 0 and not math.isnan(abs_err) else (0.0 if abs_err == 0 else math.nan)
+    rel_err = (
+        abs_err / abs(v)
+        if v != 0 and not math.isnan(abs_err)
+        else (0.0 if abs_err == 0 else math.nan)
+    )
     return Explanation(
         value=v,
         format=f.name,

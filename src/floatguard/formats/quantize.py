@@ -263,7 +263,7 @@ class _StraightThrough(torch.autograd.Function):
     """Quantize forward, identity backward (the straight-through estimator)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         x: torch.Tensor,
         fmt: Format,
@@ -275,7 +275,7 @@ class _StraightThrough(torch.autograd.Function):
         return _quantize_impl(x, fmt, rounding, overflow, subnormals, generator)
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         return grad, None, None, None, None, None
@@ -357,6 +357,8 @@ def quantize(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if x.requires_grad and torch.is_grad_enabled():
-        out: torch.Tensor = _StraightThrough.apply(x, f, rounding, overflow, subnormals, generator)
+        out: torch.Tensor = _StraightThrough.apply(  # type: ignore[no-untyped-call]
+            x, f, rounding, overflow, subnormals, generator
+        )
         return out
     return _quantize_impl(x, f, rounding, overflow, subnormals, generator)
