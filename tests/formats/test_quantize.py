@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 from floatguard.formats import FORMATS, Format, quantize
 
 from .reference import ML_CUSTOM, ML_DTYPES, brute_round, ml_cast, same_bits, special_values
+
+quantize_module = sys.modules["floatguard.formats.quantize"]
 
 ML_CASES: list[tuple[Format, object]] = [(FORMATS[n], dt) for n, dt in ML_DTYPES.items()] + list(
     ML_CUSTOM.values()
@@ -94,6 +97,24 @@ def test_default_mode_is_bit_identical_to_torch_cast(
     ok = same_bits(got, ref)
     bad = (~ok).nonzero().flatten()[:5]
     assert bad.numel() == 0, [(x[i].item(), ref[i].item(), got[i].item()) for i in bad]
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("overflow", ["saturate", "nonsaturate"])
+def test_branch_free_path_equals_native_cast(
+    name: str,
+    overflow: str,
+    random_f32: torch.Tensor,
+    scaled_f32: torch.Tensor,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp16/bf16 from float32 use torch's IEEE cast; the generic path must agree with it."""
+    fmt = FORMATS[name]
+    x = torch.cat([random_f32, scaled_f32, special_values(fmt).to(torch.float32)])
+    native = quantize(x, fmt, overflow=overflow)  # type: ignore[arg-type]
+    monkeypatch.setattr(quantize_module, "_use_native_casts", False)
+    generic = quantize(x, fmt, overflow=overflow)  # type: ignore[arg-type]
+    assert bool(same_bits(native, generic).all())
 
 
 @pytest.mark.parametrize("fmt", SMALL, ids=SMALL_IDS)

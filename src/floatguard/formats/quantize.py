@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 
+from floatguard.formats.registry import FORMATS as _REGISTRY
 from floatguard.formats.registry import Format, get
 
 __all__ = ["Overflow", "Rounding", "Subnormals", "quantize"]
@@ -102,134 +103,216 @@ def _quantum(x: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
     return torch.where(e < w.emin, big * math.ldexp(1.0, -w.W), _pow2_bits(e.clamp(min=w.emin), w))
 
 
-def _round_magic(x: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
-    """Round to nearest even via ``(x + c) - c``; needs ``emax + W - m <= working emax``."""
+def _magic_ok(fmt: Format, w: _Working) -> bool:
+    """Whether the magic-add rounding applies: ``c`` stays finite and normal."""
     m = fmt.mantissa_bits
-    bits = x.view(w.int_dtype) & w.exp_mask
-    lo = (fmt.emin + w.bias) << w.W
-    hi = (fmt.emax + w.bias) << w.W
-    bits.clamp_(lo, hi)
-    bits += (w.W - m) << w.W
-    c = bits.view(w.dtype)
-    r = torch.abs(x)
-    r += c
+    fits = fmt.emax + w.W - m <= w.emax and fmt.emin + w.W - m >= w.emin
+    return fmt.has_zero and m < w.W and fits
+
+
+def _magic_constant(a: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
+    """``c = 2**(clamp(e(a), emin, emax) + W - m)``: adding it rounds ``a`` to fmt's grid."""
+    bits = a.view(w.int_dtype) & w.exp_mask
+    bits.clamp_((fmt.emin + w.bias) << w.W, (fmt.emax + w.bias) << w.W)
+    bits += (w.W - fmt.mantissa_bits) << w.W
+    return bits.view(w.dtype)
+
+
+def _round_magic(a: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
+    """Round ``a >= 0`` to nearest even via ``(a + c) - c``."""
+    c = _magic_constant(a, fmt, w)
+    r = a + c
     r -= c
-    # Working on |x| then copying the sign keeps -0 for negatives that round to zero.
-    return torch.copysign(r, x, out=r)
+    return r
 
 
-def _round_int(x: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
-    """Round to nearest even on the bit pattern; the target shares the working emin."""
+def _first_overflow(fmt: Format) -> float:
+    """The grid value right after ``max`` (what rounding reaches first when it overflows)."""
+    return fmt.max + (fmt.max if fmt.mantissa_bits == 0 else fmt.ulp(fmt.max))
+
+
+def _quantize_nearest_fast(
+    xw: torch.Tensor, res: torch.Tensor, fmt: Format, w: _Working, overflow: str
+) -> None:
+    """The default case in 8 elementwise passes: nearest, keep subnormals, signed format.
+
+    Works on the negated magnitude so that overflow is one ``threshold`` pass
+    (``y <= t ? value : y``, which lets NaN through), then copies x's sign.
+    """
+    a = torch.abs(xw)
+    c = _magic_constant(a, fmt, w)
+    r = a + c
+    torch.sub(c, r, out=r)  # r = -round(a), exact
+    if overflow == "saturate" or fmt.special == "none":
+        r.clamp_(min=-fmt.max)
+    else:
+        fill = -math.inf if fmt.has_inf else math.nan
+        torch.nn.functional.threshold_(r, -_first_overflow(fmt), fill)
+    torch.copysign(r, xw, out=res)
+    if not fmt.has_negative_zero:
+        res += 0.0  # -0 + +0 = +0 under round-to-nearest: fnuz has one zero
+
+
+def _round_int(a: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
+    """Round ``a >= 0`` to nearest even on the bit pattern; target shares the working emin."""
     drop = w.W - fmt.mantissa_bits
-    b = x.view(w.int_dtype)
+    b = a.view(w.int_dtype)
     t = (b >> drop) & 1
     t += (1 << (drop - 1)) - 1
     t += b
     t &= ~((1 << drop) - 1)
     r = t.view(w.dtype)
-    # The carry can turn a NaN payload into inf or -0: put NaN back.
-    return torch.where(torch.isnan(x), x, r)
+    # The carry can turn a NaN payload into inf or wrap it into the sign bit: put NaN back.
+    return r.masked_fill_(torch.isnan(a), math.nan)
+
+
+def _round_pow2(a: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
+    """Nearest power of two for e8m0-style formats (no zero, no mantissa), ``a >= 0``.
+
+    Adding half the mantissa range to the bit pattern and masking the mantissa
+    rounds to the nearest power of two, ties up (the implied leading 1 is odd).
+    Values below ``1.5 * tiny`` go to ``tiny``: for e8m0 in float32 that covers
+    the float32 subnormals, whose bit pattern would otherwise round by bits.
+    """
+    b = a.view(w.int_dtype) + (1 << (w.W - 1))
+    b &= w.exp_mask
+    r = b.view(w.dtype)
+    # NaN payloads can carry into the sign bit; the caller maps NaN inputs to NaN.
+    return r.masked_fill_(a < 1.5 * fmt.tiny, fmt.tiny)
 
 
 def _round_scaled(
-    x: torch.Tensor,
+    a: torch.Tensor,
     fmt: Format,
     w: _Working,
     rounding: str,
+    up: torch.Tensor | None,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Any rounding mode: ``round(x / q) * q`` with the per-element quantum ``q``."""
-    q = _quantum(x, fmt, w)
-    s = x / q  # exact: q is a power of two and |s| < 2**(m + 1) for in-range x
+    """Any rounding mode on ``a >= 0``: ``round(a / q) * q`` with the per-element quantum ``q``.
+
+    ``up`` marks the elements whose magnitude rounds up under ``ceil`` / ``floor``.
+    """
+    q = _quantum(a, fmt, w)
+    s = a / q  # exact: q is a power of two and s < 2**(m + 1) for in-range values
     if rounding == "nearest":
         s = torch.round(s)  # half to even
     elif rounding == "toward_zero":
-        s = torch.trunc(s)
-    elif rounding == "ceil":
-        s = torch.ceil(s)
-    elif rounding == "floor":
         s = torch.floor(s)
+    elif rounding in ("ceil", "floor"):
+        assert up is not None
+        s = torch.where(up, torch.ceil(s), torch.floor(s))
     else:  # stochastic: floor(s) + Bernoulli(frac), so E[result] = s exactly
         lo = torch.floor(s)
         frac = s - lo  # exact (Sterbenz)
         # float64 draws resolve frac to 2**-53, far finer than any float32 frac.
         u = torch.rand(s.shape, generator=generator, device=s.device, dtype=torch.float64)
         # NaN and inf give a NaN frac, the comparison is False, and lo passes through.
-        # copysign: -0.3 rounding to zero is -0, as in every other mode.
-        s = torch.copysign(lo + (u < frac).to(s.dtype), s)
+        s = lo + (u < frac).to(s.dtype)
     return s * q
 
 
 def _round(
-    x: torch.Tensor, fmt: Format, w: _Working, rounding: str, generator: torch.Generator | None
+    a: torch.Tensor,
+    fmt: Format,
+    w: _Working,
+    rounding: str,
+    up: torch.Tensor | None,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Round ``x`` (working dtype) to ``fmt``'s grid, ignoring overflow and special rules."""
+    """Round magnitudes ``a`` to ``fmt``'s grid, ignoring overflow and special rules."""
     m = fmt.mantissa_bits
     if m >= w.W and fmt.emin - m <= w.emin - w.W and fmt.emax >= w.emax:
-        return x.clone()  # the format holds every working value
+        return a.clone()  # the format holds every working value
     if rounding == "nearest" and fmt.has_zero:
-        if fmt.emax + w.W - m <= w.emax and fmt.emin + w.W - m >= w.emin:
-            return _round_magic(x, fmt, w)
+        if _magic_ok(fmt, w):
+            return _round_magic(a, fmt, w)
         if fmt.emin == w.emin and m < w.W:
-            return _round_int(x, fmt, w)
-    return _round_scaled(x, fmt, w, rounding, generator)
-
-
-def _finish(
-    r: torch.Tensor,
-    x: torch.Tensor,
-    fmt: Format,
-    rounding: str,
-    overflow: str,
-    subnormals: str,
-) -> torch.Tensor:
-    """Apply flush-to-zero, the format's zero/sign rules and its overflow mode."""
-    mx = fmt.max
-    # IEEE 754 directed rounding never overflows a finite value against its direction:
-    # toward zero gives ±max, ceil gives -max for negatives, floor +max for positives.
-    if rounding in ("toward_zero", "ceil", "floor"):
-        lo = -mx if rounding in ("toward_zero", "ceil") else None
-        hi = mx if rounding in ("toward_zero", "floor") else None
-        r = torch.where(torch.isinf(x), r, r.clamp(lo, hi))
-    if subnormals == "flush" and fmt.has_subnormals:
-        # Tininess after rounding: a value that rounds up to tiny is kept.
-        r = torch.where(torch.abs(r) < fmt.tiny, r * 0.0, r)
-    if not fmt.signed:
-        # Power-of-two scale format: no zero, no sign. Positive values below the
-        # smallest code become that code; 0, negatives and NaN have no code: NaN.
-        r = r.clamp_(min=fmt.tiny)
-        r = r.masked_fill_(~(x > 0), math.nan)
-    elif not fmt.has_negative_zero:
-        r += 0.0  # -0 + +0 = +0 under round-to-nearest: fnuz has one zero
-    if overflow == "saturate" or fmt.special == "none":
-        # "none" formats have no code for inf or NaN: overflow can only saturate.
-        return r.clamp_(-mx if fmt.signed else fmt.tiny, mx)
-    if fmt.has_inf:
-        r.masked_fill_(r > mx, math.inf)
-        return r.masked_fill_(r < -mx, -math.inf)
-    return r.masked_fill_(torch.abs(r) > mx, math.nan)
-
-
-def _daz(x: torch.Tensor, input_tiny: float) -> torch.Tensor:
-    """Denormals-are-zero on inputs: subnormals of the input's own dtype become +-0."""
-    return torch.where(torch.abs(x) < input_tiny, x * 0.0, x)
+            return _round_int(a, fmt, w)
+    if rounding == "nearest" and m == 0 and not fmt.has_zero and fmt.emin >= w.emin - 1:
+        if fmt.emax <= w.emax:
+            return _round_pow2(a, fmt, w)
+    return _round_scaled(a, fmt, w, rounding, up, generator)
 
 
 def _quantize_block(
     x: torch.Tensor,
+    out: torch.Tensor,
     fmt: Format,
     w: _Working,
     rounding: str,
     overflow: str,
     subnormals: str,
     generator: torch.Generator | None,
-    input_tiny: float,
-) -> torch.Tensor:
+) -> None:
+    """Quantize one block ``x`` into ``out`` (same shape; any of the input dtypes)."""
     xw = x if x.dtype == w.dtype else x.to(w.dtype)
+    res = out if out.dtype == w.dtype else torch.empty_like(xw)
+    if rounding == "nearest" and subnormals == "keep" and fmt.signed and _magic_ok(fmt, w):
+        _quantize_nearest_fast(xw, res, fmt, w, overflow)
+        if res is not out:
+            out.copy_(res)
+        return
     if subnormals == "flush":
-        xw = _daz(xw, input_tiny)
-    r = _round(xw, fmt, w, rounding, generator)
-    return _finish(r, xw, fmt, rounding, overflow, subnormals)
+        # Denormals-are-zero: subnormals of the input's own dtype read as +-0.
+        xw = torch.where(torch.abs(xw) < torch.finfo(x.dtype).tiny, xw * 0.0, xw)
+    # Everything below works on magnitudes; the sign is copied back at the end.
+    a = torch.abs(xw)
+    neg: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    if rounding in ("ceil", "floor"):
+        neg = torch.signbit(xw)
+        up = neg if rounding == "floor" else ~neg
+    r = _round(a, fmt, w, rounding, up, generator)
+    mx = fmt.max
+    # IEEE 754 directed rounding never overflows a finite value against its direction:
+    # toward zero gives ±max, ceil gives -max for negatives, floor +max for positives.
+    if rounding == "toward_zero":
+        r = torch.where(torch.isinf(a), r, r.clamp(max=mx))
+    elif up is not None:
+        r = torch.where(up | torch.isinf(a), r, r.clamp(max=mx))
+    if subnormals == "flush" and fmt.has_subnormals:
+        # Tininess after rounding: a value that rounds up to tiny is kept.
+        r.masked_fill_(r < fmt.tiny, 0.0)
+    if not fmt.signed:
+        # Power-of-two scale format: no zero, no sign. Positive values below the
+        # smallest code become that code; 0, negatives and NaN have no code: NaN.
+        r.clamp_(min=fmt.tiny)
+        r.masked_fill_(~(xw > 0), math.nan)
+    if overflow == "saturate" or fmt.special == "none":
+        # "none" formats have no code for inf or NaN: overflow can only saturate.
+        r.clamp_(max=mx)
+    else:
+        r.masked_fill_(r > mx, math.inf if fmt.has_inf else math.nan)
+    if fmt.signed:
+        torch.copysign(r, xw, out=res)
+        if not fmt.has_negative_zero:
+            res += 0.0  # -0 + +0 = +0 under round-to-nearest: fnuz has one zero
+    else:
+        res.copy_(r)
+    if res is not out:
+        out.copy_(res)
+
+
+# fp16 and bf16 are IEEE-style binary formats: torch's float32 -> fp16/bf16 cast is the
+# correctly rounded (nearest-even) conversion on every device, so it *is* the exact
+# operation. The tests check it bit for bit against the branch-free path.
+_NATIVE_NEAREST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_use_native_casts = True
+
+
+def _native_cast(
+    x: torch.Tensor, fmt: Format, rounding: str, overflow: str, subnormals: str
+) -> torch.Tensor | None:
+    if not _use_native_casts or rounding != "nearest" or subnormals != "keep":
+        return None
+    dt = _NATIVE_NEAREST.get(fmt.name)
+    if dt is None or fmt != _REGISTRY[fmt.name] or x.dtype not in (torch.float32, dt):
+        return None
+    out = x.to(dt).to(x.dtype) if x.dtype != dt else x.clone()
+    if overflow == "saturate":
+        out.clamp_(-fmt.max, fmt.max)
+    return out
 
 
 def _quantize_impl(
@@ -240,22 +323,20 @@ def _quantize_impl(
     subnormals: str,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
+    x = x.detach()
+    native = _native_cast(x, fmt, rounding, overflow, subnormals)
+    if native is not None:
+        return native
     w = _working_for(x.dtype)
-    input_tiny = torch.finfo(x.dtype).tiny
-    flat = x.detach().reshape(-1)
-    n = flat.numel()
-    if n == 0:
-        return x.detach().clone()
-    if flat.device.type != "cpu" or n <= _CPU_BLOCK:
-        out = _quantize_block(flat, fmt, w, rounding, overflow, subnormals, generator, input_tiny)
-        return out.to(x.dtype).reshape(x.shape)
+    flat = x.reshape(-1)
     out = torch.empty_like(flat)
-    for start in range(0, n, _CPU_BLOCK):
-        stop = min(start + _CPU_BLOCK, n)
-        block = _quantize_block(
-            flat[start:stop], fmt, w, rounding, overflow, subnormals, generator, input_tiny
+    n = flat.numel()
+    step = _CPU_BLOCK if flat.device.type == "cpu" else max(n, 1)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        _quantize_block(
+            flat[start:stop], out[start:stop], fmt, w, rounding, overflow, subnormals, generator
         )
-        out[start:stop].copy_(block)
     return out.reshape(x.shape)
 
 
