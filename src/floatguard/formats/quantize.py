@@ -147,7 +147,7 @@ def _quantize_nearest_fast(
         r.clamp_(min=-fmt.max)
     else:
         fill = -math.inf if fmt.has_inf else math.nan
-        torch.nn.functional.threshold_(r, -_first_overflow(fmt), fill)
+        torch.nn.functional.threshold(r, -_first_overflow(fmt), fill, inplace=True)
     torch.copysign(r, xw, out=res)
     if not fmt.has_negative_zero:
         res += 0.0  # -0 + +0 = +0 under round-to-nearest: fnuz has one zero
