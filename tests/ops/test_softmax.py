@@ -105,7 +105,7 @@ def test_shapes_dims_and_empty() -> None:
     assert float(softmax(torch.tensor(3.0))) == 1.0
     with pytest.raises(IndexError, match="dim=2 is out of range"):
         softmax(torch.ones(3, 3), dim=2)
-    with pytest.raises(TypeError, match="got torch.int64"):
+    with pytest.raises(TypeError, match=r"got torch.int64"):
         softmax(torch.ones(3, dtype=torch.long))
 
 
@@ -154,7 +154,9 @@ block = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(a=block, b=block, c=block)
-def test_merge_is_associative_and_commutative(a: list[float], b: list[float], c: list[float]) -> None:
+def test_merge_is_associative_and_commutative(
+    a: list[float], b: list[float], c: list[float]
+) -> None:
     sa, sb, sc = (LogSumExp.of(torch.tensor(v, dtype=torch.float64)) for v in (a, b, c))
     left = sa.merge(sb).merge(sc).value()
     right = sa.merge(sb.merge(sc)).value()

@@ -31,3 +31,15 @@ def check_dim(x: torch.Tensor, dim: int, op: str) -> int:
     if not -n <= dim < n:
         raise IndexError(f"{op}: dim={dim} is out of range for a {x.dim()}-d tensor")
     return dim % n
+
+
+def broadcast_shapes(*shapes: tuple[int, ...] | torch.Size) -> torch.Size:
+    """Typed wrapper of ``torch.broadcast_shapes`` (raises RuntimeError when they do not)."""
+    out: torch.Size = torch.broadcast_shapes(*shapes)  # type: ignore[no-untyped-call]
+    return out
+
+
+def broadcast_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typed wrapper of ``torch.broadcast_tensors`` for two tensors."""
+    x, y = torch.broadcast_tensors(a, b)  # type: ignore[no-untyped-call]
+    return x, y

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from floatguard.ops._common import acc_dtype, check_float
+from floatguard.ops._common import acc_dtype, broadcast_shapes, check_float
 
 __all__ = ["attention"]
 
@@ -69,7 +69,7 @@ class _Attention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
         n_q, n_k = qf.shape[-2], kf.shape[-2]
-        batch = torch.broadcast_shapes(qf.shape[:-2], kf.shape[:-2], vf.shape[:-2])
+        batch = broadcast_shapes(qf.shape[:-2], kf.shape[:-2], vf.shape[:-2])
         m = torch.full((*batch, n_q), -math.inf, dtype=acc, device=q.device)
         l = torch.zeros((*batch, n_q), dtype=acc, device=q.device)  # noqa: E741
         out = torch.zeros((*batch, n_q, vf.shape[-1]), dtype=acc, device=q.device)
@@ -91,7 +91,8 @@ class _Attention(torch.autograd.Function):
         out = out / torch.where(has_mass, l, torch.ones_like(l))[..., None]
         m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         lse = torch.where(
-            has_mass, m_safe + torch.log(torch.where(has_mass, l, torch.ones_like(l))),
+            has_mass,
+            m_safe + torch.log(torch.where(has_mass, l, torch.ones_like(l))),
             torch.full_like(l, -math.inf),
         )
         ctx.save_for_backward(q, k, v, out, lse, *([] if mask is None else [mask]))
@@ -114,7 +115,7 @@ class _Attention(torch.autograd.Function):
         delta = (do * out).sum(dim=-1)
         if d_lse is not None:
             delta = delta - d_lse.to(acc)
-        batch = torch.broadcast_shapes(qf.shape[:-2], kf.shape[:-2], vf.shape[:-2])
+        batch = broadcast_shapes(qf.shape[:-2], kf.shape[:-2], vf.shape[:-2])
         dq = torch.zeros((*batch, n_q, qf.shape[-1]), dtype=acc, device=q.device)
         dk = torch.zeros((*batch, n_k, kf.shape[-1]), dtype=acc, device=q.device)
         dv = torch.zeros((*batch, n_k, vf.shape[-1]), dtype=acc, device=q.device)
@@ -181,7 +182,7 @@ def attention(
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"{op}: batch dims of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
@@ -193,7 +194,7 @@ def attention(
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"{op}: mask must be a tensor or None, got {type(mask).__name__}")
         try:
-            torch.broadcast_shapes(mask.shape, (*q.shape[:-1], k.shape[-2]))
+            broadcast_shapes(mask.shape, (*q.shape[:-1], k.shape[-2]))
         except RuntimeError:
             raise ValueError(
                 f"{op}: mask of shape {tuple(mask.shape)} does not broadcast to "
@@ -203,5 +204,7 @@ def attention(
             mask = mask.expand(*mask.shape[:-1], k.shape[-2])
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
-    out, lse = _Attention.apply(q, k, v, mask, bool(causal), float(scale), block_size)
-    return out, lse
+    res: tuple[torch.Tensor, torch.Tensor] = _Attention.apply(  # type: ignore[no-untyped-call]
+        q, k, v, mask, bool(causal), float(scale), block_size
+    )
+    return res

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from floatguard.ops._common import acc_dtype, check_float
+from floatguard.ops._common import acc_dtype, broadcast_tensors, check_float
 
 __all__ = [
     "log1mexp",
@@ -34,13 +34,22 @@ def _up(x: torch.Tensor, op: str) -> torch.Tensor:
     return x.to(acc_dtype(x.dtype))
 
 
+def _neg_abs(x: torch.Tensor) -> torch.Tensor:
+    """``-|x|`` with derivative ``-sign(x)`` *including* 1 at 0 from the right.
+
+    ``torch.abs`` has derivative 0 at 0, which would zero the gradient of every
+    function below at x = 0 (sigmoid'(0) would come out 0 instead of 0.25).
+    """
+    return torch.where(x >= 0, -x, x)
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``1 / (1 + exp(-x))`` from ``z = exp(-|x|)``: ``1/(1+z)`` for x >= 0, ``z/(1+z)`` below.
 
     Never overflows; half inputs compute in float32 and return their dtype.
     """
     xf = _up(x, "sigmoid")
-    z = torch.exp(-xf.abs())
+    z = torch.exp(_neg_abs(xf))
     out = torch.where(xf >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
     return out.to(x.dtype)
 
@@ -52,7 +61,7 @@ def log1pexp(x: torch.Tensor) -> torch.Tensor:
     this never needs one. Gradient: ``sigmoid(x)``.
     """
     xf = _up(x, "log1pexp")
-    out = torch.clamp(xf, min=0) + torch.log1p(torch.exp(-xf.abs()))
+    out = torch.where(xf >= 0, xf, 0.0) + torch.log1p(torch.exp(_neg_abs(xf)))
     return out.to(x.dtype)
 
 
@@ -62,7 +71,7 @@ def softplus(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
         raise ValueError(f"softplus: beta={beta!r} must be a positive number")
     xf = _up(x, "softplus")
     bx = xf * beta
-    out = (torch.clamp(bx, min=0) + torch.log1p(torch.exp(-bx.abs()))) / beta
+    out = (torch.where(bx >= 0, bx, 0.0) + torch.log1p(torch.exp(_neg_abs(bx)))) / beta
     return out.to(x.dtype)
 
 
@@ -85,7 +94,7 @@ def logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     The gradient at ``a == b`` is 0.5 each, and stays finite for infinite inputs.
     """
     af, bf = _up(a, "logaddexp"), _up(b, "logaddexp")
-    af, bf = torch.broadcast_tensors(af, bf)
+    af, bf = broadcast_tensors(af, bf)
     m = torch.maximum(af, bf)
     same = af == bf  # includes -inf/-inf and inf/inf, where a - b is NaN
     diff = torch.where(same, torch.zeros_like(af), af - bf)

@@ -154,7 +154,8 @@ def gradcheck(
     if not callable(fn):
         raise TypeError(f"gradcheck: fn must be callable, got {type(fn).__name__}")
     args = [
-        a.detach().to(torch.float64).clone() if isinstance(a, torch.Tensor) and a.is_floating_point()
+        a.detach().to(torch.float64).clone()
+        if isinstance(a, torch.Tensor) and a.is_floating_point()
         else a
         for a in args_in
     ]
@@ -166,8 +167,9 @@ def gradcheck(
             raise ValueError("gradcheck: the module has no trainable parameters")
     else:
         named = [
-            (f"input[{i}]", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-            and a.is_floating_point()
+            (f"input[{i}]", a)
+            for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
         ]
         if not named:
             raise ValueError("gradcheck: no floating-point tensor among the inputs")

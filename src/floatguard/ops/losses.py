@@ -16,9 +16,7 @@ Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _check_common(
-    op: str, reduction: str, label_smoothing: float, target: torch.Tensor
-) -> None:
+def _check_common(op: str, reduction: str, label_smoothing: float, target: torch.Tensor) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction={reduction!r}; use one of {_REDUCTIONS}")
     if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
@@ -27,7 +25,9 @@ def _check_common(
         raise TypeError(f"{op}: target must be a torch.Tensor, got {type(target).__name__}")
 
 
-def _check_class_targets(op: str, target: torch.Tensor, num_classes: int, ignore_index: int) -> None:
+def _check_class_targets(
+    op: str, target: torch.Tensor, num_classes: int, ignore_index: int
+) -> None:
     """Range-check integer targets. Only on CPU, where reading them costs no device sync."""
     if target.dtype in (torch.bool,) or target.dtype.is_floating_point or target.is_complex():
         raise TypeError(f"{op}: class targets must be an integer tensor, got {target.dtype}")
@@ -199,7 +199,11 @@ class _ChunkedCE(torch.autograd.Function):
         g = torch.where(valid, grad_loss.to(acc), torch.zeros_like(lse))
         g_lse = grad_lse.to(acc) if grad_lse is not None else torch.zeros_like(lse)
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         for start in range(0, vocab, ctx.chunk_size):
             stop = min(start + ctx.chunk_size, vocab)
             w_chunk = weight[start:stop].to(acc)
@@ -267,7 +271,10 @@ def chunked_cross_entropy(
     _check_class_targets(op, target, weight.shape[0], ignore_index)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = target.reshape(-1)
-    loss, _ = _ChunkedCE.apply(h2, weight, t1, chunk_size, ignore_index, float(label_smoothing))
+    res: tuple[torch.Tensor, torch.Tensor] = _ChunkedCE.apply(  # type: ignore[no-untyped-call]
+        h2, weight, t1, chunk_size, ignore_index, float(label_smoothing)
+    )
+    loss = res[0]
     loss = loss.reshape(target.shape)
     if reduction == "none":
         return loss.to(hidden.dtype)

@@ -53,7 +53,9 @@ class Moments:
         n = math.prod(xf.shape[d] for d in dims)
         if n == 0:
             return cls.empty(
-                [s for i, s in enumerate(xf.shape) if i not in dims], dtype=xf.dtype, device=xf.device
+                [s for i, s in enumerate(xf.shape) if i not in dims],
+                dtype=xf.dtype,
+                device=xf.device,
             )
         if dims:
             mean = xf.mean(dim=dims, keepdim=True)
@@ -133,7 +135,9 @@ def _neumaier_steps(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xi = columns[..., i]
         t = s + xi
         # The low-order part lost by t: exact (Fast2Sum) when |s| >= |xi|, else swapped.
-        c = c + torch.where(s.abs() >= xi.abs(), (s - t) + xi, (xi - t) + s)
+        # Once t is inf or NaN the correction is meaningless (inf - inf); keep it out.
+        lost = torch.where(s.abs() >= xi.abs(), (s - t) + xi, (xi - t) + s)
+        c = c + torch.where(torch.isfinite(t), lost, torch.zeros_like(lost))
         s = t
     return s, c
 
@@ -166,6 +170,4 @@ def compensated_sum(
     # [..., lanes, steps]: each lane sums a contiguous run of the input in order.
     s, c = _neumaier_steps(y.reshape(*y.shape[:-1], lanes, steps))
     total, comp = _neumaier_steps(torch.cat([s, c], dim=-1))
-    out = total + comp
-    # inf - inf in the compensation would turn an infinite sum into NaN.
-    return torch.where(torch.isfinite(total), out, total)
+    return total + comp
