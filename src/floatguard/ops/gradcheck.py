@@ -79,10 +79,11 @@ class GradcheckReport:
             for e in self.entries
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+        line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()
         out = [f"gradcheck (central differences, eps={self.eps:g}, float64)", line]
         out.append("  ".join("-" * w for w in widths))
-        out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        for r in rows:
+            out.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         out.append("verdict: " + ("OK" if self.ok else "gradient looks WRONG somewhere"))
         return "\n".join(out)
 

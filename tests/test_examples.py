@@ -1,0 +1,71 @@
+"""Each example script runs and prints what the lesson's exercise expects."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run(name: str) -> dict[str, str]:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    out: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        if ": " in line:
+            key, value = line.split(": ", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def test_catastrophic_cancellation() -> None:
+    out = run("catastrophic_cancellation.py")
+    assert abs(float(out["naive E[x^2]-E[x]^2"]) - 2 / 3) > 0.1
+    assert float(out["Moments (Welford/Chan)"]) == pytest.approx(2 / 3, rel=1e-6)
+    assert float(out["Moments relative error"]) < 1e-6
+
+
+def test_machine_epsilon() -> None:
+    out = run("machine_epsilon.py")
+    assert float(out["smallest power of two with 1 + x != 1 (float32)"]) == 2.0**-23
+    assert out["equals 2**-23"] == "True"
+    assert float(out["floatguard fp32 eps"]) == float(out["numpy finfo eps"]) == 2.0**-23
+
+
+def test_logsumexp_edge_cases() -> None:
+    out = run("logsumexp_edge_cases.py")
+    stable = {
+        k: float(re.search(r"stable=(\S+)", v).group(1)) for k, v in out.items() if "stable=" in v
+    }  # type: ignore[union-attr]
+    assert stable["all equal (c=1000, n=4)"] == pytest.approx(1000 + math.log(4), abs=1e-3)
+    assert stable["all very negative (-1000, n=3)"] == pytest.approx(-1000 + math.log(3), abs=1e-3)
+    assert stable["one dominant (50 among zeros)"] == pytest.approx(50.0, abs=1e-6)
+    assert "naive=inf" in out["all equal (c=1000, n=4)"]
+    assert "naive=-inf" in out["all very negative (-1000, n=3)"]
+
+
+def test_gradcheck_linear() -> None:
+    out = run("gradcheck_linear.py")
+    assert out["linear ok"] == "True"
+    assert out["buggy ok"] == "False"
+    assert out["buggy bias verdict"] in ("suspicious", "wrong")
+
+
+def test_fp16_loss_scaling() -> None:
+    out = run("fp16_loss_scaling.py")
+    before = float(out["zero in fp16 without scaling"])
+    after = float(out["zero in fp16 with loss scale 1024"])
+    # log10(2**-25) = -7.53: about (9 - 7.53) / 6 = 24.5% of log-uniform [1e-9, 1e-3] underflows.
+    assert before == pytest.approx(0.245, abs=0.01)
+    assert after < 1e-3
