@@ -120,3 +120,8 @@ def test_bad_input() -> None:
         attention(q, q, q, mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="q, k, v dtypes differ"):
         attention(q, q.double(), q)
+
+
+def test_no_keys_gives_zeros() -> None:
+    out, lse = attention(torch.randn(3, 4), torch.empty(0, 4), torch.empty(0, 2))
+    assert out.tolist() == [[0.0, 0.0]] * 3 and lse.tolist() == [-math.inf] * 3

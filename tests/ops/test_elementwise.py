@@ -121,3 +121,23 @@ def test_bad_input() -> None:
         sigmoid(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="beta=0"):
         softplus(torch.ones(2), beta=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_every_dtype_against_float64(dtype: torch.dtype) -> None:
+    x = torch.tensor([-30.0, -2.5, -0.1, 0.0, 0.1, 2.5, 30.0]).to(dtype)
+    x64 = x.double()
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-6, torch.float64: 1e-12}[
+        dtype
+    ]
+    nz = x64 != 0
+    cases = [
+        (log1mexp(x)[nz], torch.log(-torch.expm1(-x64.abs()))[nz]),
+        (logaddexp(x, x.flip(0)), torch.logaddexp(x64, x64.flip(0))),
+        (safe_log(x)[x64 > 0], torch.log(x64[x64 > 0])),
+        (safe_sqrt(x), torch.sqrt(x64.clamp(min=0))),
+        (safe_div(x, x.flip(0) + 1), x64 / (x64.flip(0) + 1)),
+    ]
+    for got, ref in cases:
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)

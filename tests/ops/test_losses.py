@@ -144,3 +144,12 @@ class TestChunked:
             chunked_cross_entropy(h, w, torch.tensor([0, 1, 10]))
         with pytest.raises(ValueError, match=r"target has shape \(2,\); expected \(3,\)"):
             chunked_cross_entropy(h, w, torch.tensor([0, 1]))
+
+
+def test_empty_batches() -> None:
+    logits = torch.empty(0, 5, requires_grad=True)
+    target = torch.empty(0, dtype=torch.long)
+    assert float(cross_entropy(logits, target).detach()) == 0.0
+    assert cross_entropy(logits, target, reduction="none").shape == (0,)
+    h, w = torch.empty(0, 4), torch.randn(6, 4)
+    assert float(chunked_cross_entropy(h, w, target)) == 0.0
