@@ -230,7 +230,8 @@ def audit_tensor_numerics(
     """
     if not isinstance(layers_data, Mapping):
         raise TypeError(
-            f"layers_data must be a mapping of layer name to tensor, got {type(layers_data).__name__}"
+            "layers_data must be a mapping of layer name to tensor, "
+            f"got {type(layers_data).__name__}"
         )
     first_nan: str | None = None
     reports: dict[str, dict[str, Any]] = {}

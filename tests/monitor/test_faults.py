@@ -1,4 +1,4 @@
-"""The fault suite: each scenario names the module, phase, kind and tensor where the fault was born."""
+"""The fault suite: each scenario names the module, phase, kind and tensor of its birth."""
 
 from __future__ import annotations
 
@@ -326,7 +326,7 @@ def test_step_counter_and_detach_removes_hooks() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(TypeError, match="needs an nn.Module"):
+    with pytest.raises(TypeError, match=r"needs an nn.Module"):
         Monitor(lambda x: x)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mode='full'"):
         Monitor(nn.Linear(2, 2), mode="full")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The Monitor: module and tensor hooks that feed the sentinel (and statistics) in execution order."""
+"""The Monitor: module and tensor hooks feeding the sentinel (and statistics) in execution order."""
 
 from __future__ import annotations
 
@@ -211,7 +211,8 @@ class Monitor:
                 # A view gives this module its own autograd edge: the hook sees exactly
                 # the gradient this module sends back to its input.
                 v = t.view_as(t)
-                v.register_hook(self._grad_hook("bwd_grad_input", [(path, f"grad_input[{i}]")]))
+                hook = self._grad_hook("bwd_grad_input", [(path, f"grad_input[{i}]")])
+                v.register_hook(hook)  # type: ignore[no-untyped-call]
                 return v
 
             new_args = _map(args, watch)
@@ -235,7 +236,9 @@ class Monitor:
                         entry[1].append((path, gi_role))  # a parent returning its child's output
                     else:
                         roles = [(path, gi_role)]
-                        t.register_hook(self._grad_hook("bwd_grad_output", roles))
+                        t.register_hook(  # type: ignore[no-untyped-call]
+                            self._grad_hook("bwd_grad_output", roles)
+                        )
                         self._hooked[id(t)] = (weakref.ref(t), roles)
                 del i
             if self._stack and self._stack[-1] == name:
@@ -259,7 +262,7 @@ class Monitor:
     def _param_grad_hook(self, module: str, pname: str) -> Callable[[torch.Tensor], None]:
         # Ownership path ("", "layers", "layers.0", ...): parameters have no call path.
         parts = module.split(".") if module else []
-        path = ("",) + tuple(".".join(parts[: i + 1]) for i in range(len(parts)))
+        path = ("", *(".".join(parts[: i + 1]) for i in range(len(parts))))
         if not module:
             path = ("",)
 
@@ -302,13 +305,18 @@ class Monitor:
 
     @property
     def alerts(self) -> list[Alert]:
-        """Per non-finite tensor: module, role, shape, NaN/inf flags, finite min/max (stats mode)."""
+        """Per non-finite tensor: module, role, shape, NaN/inf flags, finite min/max (stats)."""
         self.faults  # noqa: B018 (fills self._status)
         out = []
         phase_of = {
-            "fwd_input": "input", "fwd_param": "forward", "fwd_output": "forward", "loss": "loss",
-            "bwd_grad_output": "backward", "bwd_param_grad": "param_grad", "bwd_grad_input": "backward",
-        }  # fmt: skip
+            "fwd_input": "input",
+            "fwd_param": "forward",
+            "fwd_output": "forward",
+            "loss": "loss",
+            "bwd_grad_output": "backward",
+            "bwd_param_grad": "param_grad",
+            "bwd_grad_input": "backward",
+        }
         for rec in self._records:
             st = self._status[rec.slot]
             if st == "ok":

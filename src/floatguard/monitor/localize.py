@@ -110,8 +110,11 @@ def localize(records: list[Record], status: list[str], step: int) -> list[Fault]
         path, role = rec.paths[0]
         name = path[-1] if path else ""
 
-        def add(phase: Phase, module: str, tensor: str) -> None:
-            faults.append(Fault(step, phase, module, tensor, kind, rec.shape, rec.stats))
+        def add(
+            phase: Phase, module: str, tensor: str, rec: Record = rec, kind: str = kind
+        ) -> None:
+            k: Literal["nan", "inf"] = "nan" if kind == "nan" else "inf"
+            faults.append(Fault(step, phase, module, tensor, k, rec.shape, rec.stats))
 
         if rec.kind == "fwd_input":
             if len(path) <= 1:

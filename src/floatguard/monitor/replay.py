@@ -93,9 +93,9 @@ def _floats(obj: Any) -> tuple[list[torch.Tensor], list[float]]:
     return tensors, scalars
 
 
-class _FirstNonFinite(TorchDispatchMode):
+class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.found: ReplayResult | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
