@@ -105,6 +105,8 @@ class Monitor:
         self._backward_seen = False
         self._last_forward_grad = True
         self._analysis: list[Fault] | None = None
+        self._last_grad: tuple[torch.Tensor, tuple[Any, ...], int] | None = None
+        self._slot_stats: dict[int, TensorStats] = {}
 
     # ---------------------------------------------------------------- wiring
     @property
@@ -117,7 +119,7 @@ class Monitor:
             return self
         for name, mod in self.model.named_modules():
             self._handles.append(
-                mod.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
+                mod.register_forward_pre_hook(self._pre_hook(name, mod), with_kwargs=True)
             )
             self._handles.append(
                 mod.register_forward_hook(self._post_hook(name), with_kwargs=True, always_call=True)
@@ -161,6 +163,8 @@ class Monitor:
         self._hooked.clear()
         self._backward_seen = False
         self._analysis = None
+        self._last_grad = None
+        self._slot_stats.clear()
 
     def _stats_on(self) -> bool:
         return self.mode == "stats" and self.step % self.every == 0
@@ -169,7 +173,7 @@ class Monitor:
     def _add(self, kind: RecordKind, path: tuple[str, ...], role: str, t: torch.Tensor) -> Record:
         rec = Record(kind, [(path, role)], self._sentinel.add(t), tuple(t.shape))
         if self._stats_on():
-            rec.stats = tensor_stats(t)
+            rec.stats = self._slot_stats[rec.slot] = tensor_stats(t)
         self._records.append(rec)
         self._analysis = None
         return rec
@@ -181,14 +185,18 @@ class Monitor:
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             # Already checked this step (e.g. the previous module's output): alias it.
-            self._records.append(Record(kind, [(path, role)], hit[2], tuple(t.shape)))
+            stats = self._slot_stats.get(hit[2])
+            self._records.append(Record(kind, [(path, role)], hit[2], tuple(t.shape), stats))
             return
         rec = self._add(kind, path, role, t)
         self._seen[key] = (weakref.ref(t), t._version, rec.slot)
 
-    def _pre_hook(self, name: str) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if not self._stack and module is self.model:
+    def _pre_hook(self, name: str, module: nn.Module) -> Callable[..., Any]:
+        params = [(f"param:{n}", p) for n, p in module.named_parameters(recurse=False)]
+        is_root = module is self.model
+
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if is_root and not self._stack:
                 if self._backward_seen or not self._last_forward_grad:
                     self.next_step()
                 self._last_forward_grad = torch.is_grad_enabled()
@@ -196,16 +204,18 @@ class Monitor:
             path = tuple(self._stack)
             for role, t in _walk(args, "input"):
                 self._add_forward("fwd_input", path, role, t)
-            for role, t in _walk(kwargs, "input"):
-                self._add_forward("fwd_input", path, role, t)
-            for pname, p in module.named_parameters(recurse=False):
-                self._add_forward("fwd_param", path, f"param:{pname}", p)
+            if kwargs:
+                for role, t in _walk(kwargs, "input"):
+                    self._add_forward("fwd_input", path, role, t)
+            for role, p in params:
+                self._add_forward("fwd_param", path, role, p)
             if not torch.is_grad_enabled():
                 return None
-            counter = iter(range(1 << 30))
+            counter = [0]
 
             def watch(t: torch.Tensor) -> torch.Tensor:
-                i = next(counter)
+                i = counter[0]
+                counter[0] += 1
                 if not t.requires_grad:
                     return t
                 # A view gives this module its own autograd edge: the hook sees exactly
@@ -215,19 +225,18 @@ class Monitor:
                 v.register_hook(hook)  # type: ignore[no-untyped-call]
                 return v
 
-            new_args = _map(args, watch)
-            new_kwargs = _map(kwargs, watch)
-            return new_args, new_kwargs
+            return _map(args, watch), (_map(kwargs, watch) if kwargs else kwargs)
 
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            path = tuple(self._stack) if self._stack and self._stack[-1] == name else (name,)
+            on_top = bool(self._stack) and self._stack[-1] == name
+            path = tuple(self._stack) if on_top else (name,)
             grad = torch.is_grad_enabled()
             # A lone tensor is output[0], like the first element of a tuple.
             outs = _walk((output,) if isinstance(output, torch.Tensor) else output, "output")
-            for i, (role, t) in enumerate(outs):
+            for role, t in outs:
                 self._add_forward("fwd_output", path, role, t)
                 if grad and t.requires_grad:
                     gi_role = "grad_" + role
@@ -240,8 +249,7 @@ class Monitor:
                             self._grad_hook("bwd_grad_output", roles)
                         )
                         self._hooked[id(t)] = (weakref.ref(t), roles)
-                del i
-            if self._stack and self._stack[-1] == name:
+            if on_top:
                 self._stack.pop()
 
         return hook
@@ -253,8 +261,20 @@ class Monitor:
             self._backward_seen = True
             if grad is None or not grad.is_floating_point():
                 return
+            # The gradient a module sends to its input view usually arrives, as a view of
+            # the same memory, at the previous module's output right after: check it once.
+            # The last checked gradient is held (one buffer at most), so its memory cannot
+            # have been reused: equal (address, layout, version) means equal values.
+            key = (grad.data_ptr(), grad.shape, grad.stride(), grad.dtype, grad._version)
+            last = self._last_grad
+            if last is not None and last[1] == key:
+                rec = Record(kind, roles, last[2], tuple(grad.shape), self._slot_stats.get(last[2]))
+                self._records.append(rec)
+                self._analysis = None
+                return
             rec = self._add(kind, roles[0][0], roles[0][1], grad)
             rec.paths = roles
+            self._last_grad = (grad, key, rec.slot)
             return None
 
         return hook

@@ -1,8 +1,9 @@
 """Op-level replay: re-run a step under a dispatch mode and name the first aten op that broke.
 
 Every aten op the step runs, forward and backward, passes through a
-``TorchDispatchMode``; the first one whose floating inputs (tensors and scalar
-arguments) are all finite and whose output is not is reported, with statistics
+``TorchDispatchMode``; the first one whose floating tensor inputs are all finite
+and whose output is not is reported (fill-type ops given a non-finite fill value,
+such as a mask filled with -inf, are intended and skipped), with statistics
 of its inputs and outputs and the line of user code that called it (for
 backward ops, the forward line that created the autograd node, recorded by
 anomaly mode's traceback). Every op's inputs are read on the host: this is a
@@ -27,7 +28,14 @@ from floatguard.stats import TensorStats, tensor_stats
 
 __all__ = ["ReplayResult", "replay"]
 
+# Uninitialised memory may hold anything: never blame these.
 _SKIP = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_")
+# Ops whose non-finite *scalar* argument is the point (masks filled with -inf):
+# their non-finite output is intended. Elsewhere a NaN scalar (x * nan) is a fault.
+_FILLS = (
+    "fill", "fill_", "masked_fill", "masked_fill_", "full", "full_like", "new_full",
+    "scalar_tensor", "where", "index_fill", "index_fill_", "clamp", "clamp_",
+)  # fmt: skip
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -107,7 +115,7 @@ class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         in_t, in_s = _floats((args, kwargs))
         out_t, _ = _floats(out)
-        if not out_t or any(not math.isfinite(v) for v in in_s):
+        if not out_t or (name in _FILLS and any(not math.isfinite(v) for v in in_s)):
             return out
         if any(not bool(torch.isfinite(t).all()) for t in in_t):
             return out

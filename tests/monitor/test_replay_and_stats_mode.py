@@ -1,0 +1,96 @@
+"""Op-level replay, stats mode and the lessons' per-module alerts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from floatguard import Monitor, replay
+
+from .test_faults import Lambda, NaNBackward
+
+
+def test_replay_finds_the_forward_op_and_line() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Lambda(lambda x: torch.log(x - 100)), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    r = replay(lambda: model(x).sum().backward(), repeat=2)
+    assert r is not None
+    assert r.op == "aten.log.default" and r.phase == "forward" and r.kind == "nan"
+    assert r.source is not None and "torch.log(x - 100)" in r.source and "test_replay" in r.source
+    assert r.deterministic is True
+    assert int(r.inputs[0].nan) == 0 and int(r.outputs[0].nan) > 0
+
+
+def test_replay_finds_a_backward_only_fault() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Lambda(NaNBackward.apply), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    r = replay(lambda: model(x).sum().backward())
+    assert r is not None and r.phase == "backward" and r.op.startswith("aten.mul")
+    assert r.source is not None and "self.fn(x)" in r.source
+
+
+def test_replay_on_a_clean_step_and_masks() -> None:
+    model = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[:, -1] = True  # -inf fills are intended, not faults
+    assert replay(lambda: model(x, x, x, key_padding_mask=mask)[0].sum().backward()) is None
+
+
+def test_replay_says_when_a_fault_is_not_deterministic() -> None:
+    calls = {"n": 0}
+
+    def flaky() -> None:
+        calls["n"] += 1
+        x = torch.ones(3, requires_grad=True)
+        y = torch.log(x - 2) if calls["n"] % 2 else torch.sqrt(x - 2)
+        y.sum().backward()
+
+    r = replay(flaky, repeat=2)
+    assert r is not None and r.deterministic is False
+    assert r.op == "aten.log.default"
+
+
+def test_stats_mode_every_k_and_alerts() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    mon = Monitor(model, mode="stats", every=2).attach()
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    st = mon.stats
+    assert (
+        ("0", "output[0]") in st
+        and ("2", "param:weight") in st
+        and ("0", "grad_input[0]") not in st
+    )
+    assert ("1", "grad_output[0]") in st and int(st[("0", "output[0]")].numel) == 12
+    model(x).sum().backward()  # step 1: no stats
+    assert mon.step == 1 and mon.stats == {}
+    x_bad = x.clone()
+    x_bad[0, 0] = float("nan")
+    model(x_bad).sum().backward()  # step 2: stats again
+    assert mon.step == 2 and mon.stats
+    alerts = mon.alerts
+    first = alerts[0]
+    assert (first.module, first.tensor, first.shape, first.has_nan, first.has_inf) == (
+        "",
+        "input[0]",
+        (3, 4),
+        True,
+        False,
+    )
+    assert first.min is not None and first.max is not None and first.min <= first.max
+    f = mon.first_nonfinite
+    assert f is not None and f.stats is not None and int(f.stats.nan) == 1
+    mon.detach()
+
+
+def test_sentinel_alerts_have_flags_without_extremes() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Lambda(lambda x: x * float("inf")))
+    with Monitor(model) as mon:
+        model(torch.randn(2, 4))
+    a = mon.alerts[0]
+    assert a.module == "1" and a.tensor == "output[0]" and a.shape == (2, 4)
+    assert a.min is None and (a.has_nan or a.has_inf)
