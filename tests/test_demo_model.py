@@ -26,7 +26,7 @@ def test_shapes_and_learning() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
 
 
