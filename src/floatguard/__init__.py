@@ -3,10 +3,28 @@
 The public API is what ``__all__`` lists; everything else is private.
 """
 
+from floatguard.events import Event, EventLog, read_events
 from floatguard.formats import FORMATS, Explanation, Format, explain, quantize
 from floatguard.formats.codec import decode, encode
+from floatguard.guard import Guard, StepResult
 from floatguard.monitor import Alert, Fault, Monitor, ReplayResult, replay
 from floatguard.ops import GradcheckReport, LogSumExp, Moments, gradcheck
+from floatguard.scaling import DynamicLossScaler, MasterWeights
+from floatguard.stability import (
+    ClipPolicy,
+    GuardStopped,
+    LossSpikeHandler,
+    ResponsePolicy,
+    RobustSpikeDetector,
+    Snapshot,
+    SpikePolicy,
+    WindowedZClip,
+    ZClip,
+    ZClipConfig,
+    clip_grad_norm_,
+    clip_grad_value_,
+    load_snapshot,
+)
 from floatguard.stats import TensorStats, audit_tensor_numerics, tensor_stats
 
 __version__ = "0.1.0"
@@ -14,22 +32,42 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS",
     "Alert",
+    "ClipPolicy",
+    "DynamicLossScaler",
+    "Event",
+    "EventLog",
     "Explanation",
     "Fault",
     "Format",
     "GradcheckReport",
+    "Guard",
+    "GuardStopped",
     "LogSumExp",
+    "LossSpikeHandler",
+    "MasterWeights",
     "Moments",
     "Monitor",
     "ReplayResult",
+    "ResponsePolicy",
+    "RobustSpikeDetector",
+    "Snapshot",
+    "SpikePolicy",
+    "StepResult",
     "TensorStats",
+    "WindowedZClip",
+    "ZClip",
+    "ZClipConfig",
     "__version__",
     "audit_tensor_numerics",
+    "clip_grad_norm_",
+    "clip_grad_value_",
     "decode",
     "encode",
     "explain",
     "gradcheck",
+    "load_snapshot",
     "quantize",
+    "read_events",
     "replay",
     "tensor_stats",
 ]

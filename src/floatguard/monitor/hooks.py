@@ -308,6 +308,13 @@ class Monitor:
         """Device bool for the current step: any watched tensor non-finite. No sync."""
         return self._sentinel.flag()
 
+    def faults_from(self, lo: list[float], hi: list[float]) -> list[Fault]:
+        """Localize from host copies of the packed records (for a caller that read them
+        as part of its own single transfer, as the guard does)."""
+        self._status = self._sentinel.status_of(lo, hi)
+        self._analysis = localize(self._records, self._status, self.step)
+        return list(self._analysis)
+
     @property
     def faults(self) -> list[Fault]:
         """Every fault born this step, in execution order (reads the records once)."""

@@ -57,6 +57,24 @@ class Sentinel:
             hi[index] = torch.stack([self._maxs[i] for i in idx]).float().to(device)
         return lo, hi
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(min, max) of every record as two float32 device vectors, for a caller that
+        folds them into its own single host read (the guard does)."""
+        return self._stacked()
+
+    @staticmethod
+    def status_of(lo: list[float], hi: list[float]) -> list[str]:
+        """Per record "ok" / "nan" / "inf" from host copies of :meth:`packed`."""
+        out = []
+        for a, b in zip(lo, hi, strict=True):
+            if a != a or b != b:
+                out.append("nan")
+            elif a == float("-inf") or b == float("inf"):
+                out.append("inf")
+            else:
+                out.append("ok")
+        return out
+
     def flag(self) -> torch.Tensor:
         """Device bool: did any record see a NaN or inf? (No host sync.)"""
         st = self._stacked()
@@ -73,12 +91,4 @@ class Sentinel:
         lo, hi = st
         # The one host read of the monitor: a small packed tensor, on request only.
         pair = torch.stack([lo, hi]).cpu()
-        out = []
-        for a, b in zip(pair[0].tolist(), pair[1].tolist(), strict=True):
-            if a != a or b != b:
-                out.append("nan")
-            elif a == float("-inf") or b == float("inf"):
-                out.append("inf")
-            else:
-                out.append("ok")
-        return out
+        return self.status_of(pair[0].tolist(), pair[1].tolist())

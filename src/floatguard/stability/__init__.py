@@ -1,0 +1,28 @@
+"""What to do when numbers go wrong: clipping, spike detection, responses, snapshots."""
+
+from floatguard.stability.clip import (
+    WindowedZClip,
+    ZClip,
+    ZClipConfig,
+    clip_grad_norm_,
+    clip_grad_value_,
+)
+from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
+from floatguard.stability.snapshot import Snapshot, load_snapshot
+from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
+
+__all__ = [
+    "ClipPolicy",
+    "GuardStopped",
+    "LossSpikeHandler",
+    "ResponsePolicy",
+    "RobustSpikeDetector",
+    "Snapshot",
+    "SpikePolicy",
+    "WindowedZClip",
+    "ZClip",
+    "ZClipConfig",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "load_snapshot",
+]

@@ -1,0 +1,305 @@
+"""Gradient clipping that never hides a non-finite gradient, and ZClip done sync-free."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "WindowedZClip",
+    "ZClip",
+    "ZClipConfig",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "total_norm",
+]
+
+NonFinite = Literal["skip", "zero", "error"]
+
+
+def _grads(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return [p.grad for p in params if p.grad is not None]
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, on device (float32 or the grads' dtype)."""
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(grads, norm_type)
+    out: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    return out
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    nonfinite: NonFinite = "skip",
+) -> torch.Tensor:
+    """Scale gradients so their total norm is at most ``max_norm``; return the pre-clip norm.
+
+    As ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
+    clamped to 1, same norm returned), except for a non-finite total norm, where
+    torch multiplies every gradient by 0 (inf norm) or NaN (NaN norm) and training
+    silently goes on (pytorch #46849):
+
+    - ``"skip"`` (default): leave the gradients untouched, so the non-finite values
+      stay visible and the caller can skip the step;
+    - ``"zero"``: set every gradient to 0;
+    - ``"error"``: raise RuntimeError (this one reads the norm on the host).
+
+    No host sync for "skip" and "zero".
+    """
+    if nonfinite not in ("skip", "zero", "error"):
+        raise ValueError(f"nonfinite={nonfinite!r}; use 'skip', 'zero' or 'error'")
+    if not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a positive number")
+    grads = _grads(parameters)
+    if not grads:
+        return torch.zeros(())
+    norm = total_norm(grads, float(norm_type))
+    finite = torch.isfinite(norm)
+    if nonfinite == "error" and not bool(finite):
+        raise RuntimeError(
+            f"the total gradient norm is {float(norm)}; a gradient is NaN or inf "
+            "(use nonfinite='skip' to leave them for a guard to handle)"
+        )
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = torch.where(finite, coef, torch.ones_like(coef))
+    if nonfinite == "zero":
+        for g in grads:
+            g.masked_fill_(~finite, 0.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return norm
+
+
+def clip_grad_value_(parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` (NaN stays NaN)."""
+    if not isinstance(clip_value, (int, float)) or not clip_value > 0:
+        raise ValueError(f"clip_value={clip_value!r} must be a positive number")
+    grads = _grads(parameters)
+    if grads:
+        torch._foreach_clamp_min_(grads, -float(clip_value))
+        torch._foreach_clamp_max_(grads, float(clip_value))
+
+
+@dataclass(frozen=True)
+class ZClipConfig:
+    """ZClip's published defaults (Kumar et al. 2025): EMA ``alpha`` 0.97, ``z_thresh`` 2.5,
+    ``warmup_steps`` 25, ``max_grad_norm`` 1.0 (None: no absolute cap), ``mode``
+    "zscore" (clip_option "adaptive_scaling" or "mean") or "percentile"."""
+
+    alpha: float = 0.97
+    z_thresh: float = 2.5
+    max_grad_norm: float | None = 1.0
+    eps: float = 1e-6
+    warmup_steps: int = 25
+    mode: Literal["zscore", "percentile"] = "zscore"
+    clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling"
+    clip_factor: float = 1.0
+    skip_update_on_spike: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"ZClipConfig.alpha={self.alpha!r} must be in (0, 1)")
+        if not self.z_thresh > 0:
+            raise ValueError(f"ZClipConfig.z_thresh={self.z_thresh!r} must be > 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(
+                f"ZClipConfig.max_grad_norm={self.max_grad_norm!r} must be > 0 or None"
+            )
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
+            raise ValueError(f"ZClipConfig.warmup_steps={self.warmup_steps!r} must be an int >= 1")
+        if self.mode not in ("zscore", "percentile"):
+            raise ValueError(f"ZClipConfig.mode={self.mode!r}; use 'zscore' or 'percentile'")
+        if self.clip_option not in ("adaptive_scaling", "mean"):
+            raise ValueError(
+                f"ZClipConfig.clip_option={self.clip_option!r}; use 'adaptive_scaling' or 'mean'"
+            )
+        if not self.clip_factor > 0 or not self.eps > 0:
+            raise ValueError("ZClipConfig.clip_factor and eps must be > 0")
+
+
+class ZClip:
+    """Adaptive gradient clipping on the EMA z-score of the gradient norm, on device.
+
+    The published algorithm (the ``zclip`` package), with three repairs:
+
+    - NaN-safe: a non-finite norm never enters the statistics (zclip's EMA would be
+      NaN for ever after one bad step) and clips nothing (the gradients stay
+      visibly bad for a guard to skip);
+    - sync-free: mean, variance, the warmup accumulator and the "initialized" flag are
+      device tensors; ``step`` never calls ``.item()`` (zclip syncs on every step);
+    - checkpointable: ``state_dict`` / ``load_state_dict`` (zclip loses it on resume).
+
+    ``compute`` (no state change) and ``update`` (fold the step into the EMA) are
+    separate so a guard can decide to skip a step without polluting the statistics.
+    """
+
+    def __init__(self, config: ZClipConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise TypeError("pass either a ZClipConfig or keyword arguments, not both")
+        self.config = config or ZClipConfig(**kwargs)
+        self._state: dict[str, torch.Tensor] | None = None
+
+    def _init_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self._state is None or self._state["mean"].device != device:
+            z = torch.zeros((), dtype=torch.float64, device=device)
+            self._state = {
+                "mean": z.clone(),
+                "var": z.clone(),
+                "count": z.clone(),
+                "w_mean": z.clone(),
+                "w_m2": z.clone(),
+                "initialized": torch.zeros((), dtype=torch.bool, device=device),
+            }
+        return self._state
+
+    def compute(self, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(clip_value, clipped, coef)`` for this norm: the adaptive threshold (or the norm
+        itself when not clipping), whether the z-test fired, and the factor to multiply the
+        gradients by (max_grad_norm included; 1 for a non-finite norm)."""
+        c = self.config
+        st = self._init_state(norm.device)
+        n = norm.to(torch.float64)
+        finite = torch.isfinite(n)
+        std = torch.sqrt(st["var"])
+        if c.mode == "percentile":
+            thr = st["mean"] + c.z_thresh * std
+            fire = n > thr
+        else:
+            z = (n - st["mean"]) / (std + c.eps)
+            fire = z > c.z_thresh
+            if c.clip_option == "adaptive_scaling":
+                eta = z / c.z_thresh  # larger outliers are pulled further down
+                thr = (st["mean"] + (c.z_thresh * std) / eta) * c.clip_factor
+            else:
+                thr = st["mean"]
+        clipped = st["initialized"] & finite & fire
+        clip_value = torch.where(clipped, thr, n)
+        if c.max_grad_norm is not None:
+            effective = torch.clamp(clip_value, max=c.max_grad_norm)
+        else:
+            effective = clip_value
+        warm = st["initialized"]
+        # After warmup zclip scales only when the norm exceeds the threshold; during
+        # warmup it calls torch's clip_grad_norm_ (coefficient clamped to 1).
+        coef_after = torch.where(n > effective, effective / (n + 1e-6), torch.ones_like(n))
+        if c.max_grad_norm is not None:
+            coef_warm = torch.clamp(c.max_grad_norm / (n + 1e-6), max=1.0)
+        else:
+            coef_warm = torch.ones_like(n)
+        coef = torch.where(warm, coef_after, coef_warm)
+        coef = torch.where(finite, coef, torch.ones_like(coef))
+        return clip_value, clipped, coef
+
+    def update(self, norm: torch.Tensor, clip_value: torch.Tensor, clipped: torch.Tensor) -> None:
+        """Fold this step into the statistics (warmup buffer, then EMA). Non-finite: no-op."""
+        c = self.config
+        st = self._init_state(norm.device)
+        n = norm.to(torch.float64)
+        finite = torch.isfinite(n)
+        warm = st["initialized"]
+        # Warmup: Welford over the finite norms; initialise at warmup_steps of them.
+        take = finite & ~warm
+        count = st["count"] + take.to(torch.float64)
+        safe_n = torch.where(take, n, st["w_mean"])
+        delta = safe_n - st["w_mean"]
+        w_mean = torch.where(take, st["w_mean"] + delta / torch.clamp(count, min=1.0), st["w_mean"])
+        w_m2 = torch.where(take, st["w_m2"] + delta * (safe_n - w_mean), st["w_m2"])
+        now_init = take & (count >= c.warmup_steps)
+        # After warmup: EMA of the clip value (or the norm when not clipped).
+        value = torch.where(clipped, clip_value.to(torch.float64), n)
+        ema_ok = warm & finite
+        if c.skip_update_on_spike:
+            ema_ok = ema_ok & ~clipped
+        value = torch.where(ema_ok, value, st["mean"])
+        new_mean = c.alpha * st["mean"] + (1 - c.alpha) * value
+        new_var = c.alpha * st["var"] + (1 - c.alpha) * (value - new_mean) ** 2
+        mean = torch.where(ema_ok, new_mean, st["mean"])
+        var = torch.where(ema_ok, new_var, st["var"])
+        mean = torch.where(now_init, w_mean, mean)
+        var = torch.where(now_init, w_m2 / torch.clamp(count, min=1.0), var)
+        st.update(
+            mean=mean, var=var, count=count, w_mean=w_mean, w_m2=w_m2,
+            initialized=warm | now_init,
+        )  # fmt: skip
+
+    def step(self, parameters: Iterable[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Clip ``parameters``' gradients in place and update; returns the pre-clip norm.
+        No host sync."""
+        grads = _grads(parameters)
+        if not grads:
+            return torch.zeros(())
+        norm = total_norm(grads)
+        clip_value, clipped, coef = self.compute(norm)
+        torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=torch.float32))
+        self.update(norm, clip_value, clipped)
+        return norm
+
+    @property
+    def mean(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state["mean"]
+
+    @property
+    def var(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state["var"]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {} if self._state is None else {k: v.clone() for k, v in self._state.items()}
+        return {"config": self.config.__dict__.copy(), "state": state}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.config = ZClipConfig(**sd["config"])
+        self._state = {k: v.clone() for k, v in sd["state"].items()} if sd["state"] else None
+
+
+class WindowedZClip:
+    """The lessons' windowed variant, repaired: z-score over the last ``window`` finite
+    norms; an outlier (z > ``z_thresh``) is clipped to ``mean + z_thresh * std`` (the
+    lesson clips to the window mean, which throws away the step's whole excess *and*
+    its ordinary size); non-finite norms never enter the window. Host-side floats."""
+
+    def __init__(self, window: int = 10, z_thresh: float = 3.0, eps: float = 1e-6) -> None:
+        if not isinstance(window, int) or window < 2:
+            raise ValueError(f"window={window!r} must be an int >= 2")
+        if not z_thresh > 0:
+            raise ValueError(f"z_thresh={z_thresh!r} must be > 0")
+        self.window, self.z_thresh, self.eps = window, z_thresh, eps
+        self.history: list[float] = []
+
+    def threshold(self) -> float | None:
+        if len(self.history) < self.window:
+            return None
+        recent = self.history[-self.window :]
+        mean = sum(recent) / len(recent)
+        std = math.sqrt(sum((v - mean) ** 2 for v in recent) / len(recent))
+        return mean + self.z_thresh * (std + self.eps)
+
+    def step(self, parameters: Iterable[torch.Tensor] | torch.Tensor) -> float:
+        """Clip in place; returns the pre-clip norm. Reads the norm on the host."""
+        grads = _grads(parameters)
+        norm = float(total_norm(grads)) if grads else 0.0
+        if not math.isfinite(norm):
+            return norm
+        thr = self.threshold()
+        if thr is not None and norm > thr:
+            torch._foreach_mul_(grads, thr / (norm + 1e-12))
+            self.history.append(thr)
+        else:
+            self.history.append(norm)
+        del self.history[: -self.window * 4]
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "z_thresh": self.z_thresh, "history": list(self.history)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.window, self.z_thresh = int(sd["window"]), float(sd["z_thresh"])
+        self.history = [float(v) for v in sd["history"]]

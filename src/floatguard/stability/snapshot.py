@@ -1,0 +1,128 @@
+"""Snapshots for rollback: in memory, and atomically on disk.
+
+A snapshot holds deep copies of the model's and optimizer's state, any number of
+other stateful objects (loss scaler, clipper, detectors: anything with
+``state_dict`` / ``load_state_dict``), a step counter and the RNG states (torch
+CPU and CUDA, numpy, Python). Restoring yields bit-identical state.
+
+On disk the write is atomic: serialise to a temporary file in the same folder,
+flush and fsync it, ``os.replace`` it over the target, fsync the folder. A crash
+at any point leaves either the old file or the new one, never a torn one.
+Loading uses ``torch.load(weights_only=True)``: a snapshot file cannot run code.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["Snapshot", "Stateful", "load_snapshot"]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state: Any = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+        # numpy's state as plain values, so weights_only loading accepts it
+        "numpy": [
+            str(np_state[0]),
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            *map(float, np_state[2:]),
+        ],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), int(n[2]), int(n[3]), float(n[4])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Snapshot:
+    """Saved training state; ``capture`` to take one, ``restore`` to go back to it."""
+
+    step: int
+    states: dict[str, Any]
+    rng: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def capture(
+        cls,
+        step: int,
+        objects: dict[str, Stateful],
+        *,
+        rng: bool = True,
+        meta: dict[str, Any] | None = None,
+    ) -> Snapshot:
+        """Deep-copy every object's ``state_dict()`` (tensors cloned) and the RNG states."""
+        states = {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
+        return cls(step, states, _rng_state() if rng else None, dict(meta or {}))
+
+    def restore(self, objects: dict[str, Stateful]) -> None:
+        """Load every saved state back (and the RNG states). Missing names raise KeyError."""
+        missing = [n for n in objects if n not in self.states]
+        if missing:
+            raise KeyError(f"snapshot has no state for {missing}; it holds {sorted(self.states)}")
+        for name, obj in objects.items():
+            obj.load_state_dict(copy.deepcopy(self.states[name]))
+        if self.rng is not None:
+            _set_rng_state(self.rng)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write atomically to ``path`` (temp file, fsync, rename, fsync the folder)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"step": self.step, "states": self.states, "rng": self.rng, "meta": self.meta}
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save(payload, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return target
+
+
+def load_snapshot(
+    path: str | os.PathLike[str], map_location: str | torch.device | None = None
+) -> Snapshot:
+    """Read a snapshot written by :meth:`Snapshot.save` (``weights_only=True``)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no snapshot at {p}")
+    payload = torch.load(p, map_location=map_location, weights_only=True)
+    return Snapshot(
+        int(payload["step"]), payload["states"], payload["rng"], payload.get("meta", {})
+    )
