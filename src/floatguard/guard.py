@@ -222,7 +222,7 @@ class Guard:
             lo, hi = packed_mon
             small = torch.cat([small, lo.to(dev), hi.to(dev)])
         # The one host read of the step: flags, norm, loss, coefficient, monitor records.
-        values = small.cpu().tolist()
+        values = small.tolist()
         overflow, gnorm, loss_v, coef_v = values[0] > 0, values[1], values[2], values[3]
         fault: Fault | None = None
         if packed_mon is not None and self.monitor is not None:

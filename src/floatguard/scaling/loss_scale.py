@@ -93,7 +93,8 @@ class DynamicLossScaler:
         """``outputs * scale`` (in float32 for half outputs, as GradScaler)."""
         if not self.enabled:
             return outputs
-        return outputs * torch.tensor(self._scale, dtype=torch.float32, device=outputs.device)
+        # torch.full, not torch.tensor: a fill kernel, no host-to-device copy.
+        return outputs * torch.full((), self._scale, dtype=torch.float32, device=outputs.device)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Divide the gradients by the scale in place; return the device found-inf flag.

@@ -14,6 +14,11 @@ class LossSpikeHandler:
     of the last ``window`` values (the current one included, as the lesson computes it);
     ``check`` returns True after ``patience`` consecutive spikes.
 
+    Because the current value is part of its own window, its z-score is at most
+    ``sqrt(window - 1)`` (3 for a window of 10): the lesson's default threshold of
+    5 can never fire. The defaults are kept for fidelity; use a threshold below
+    ``sqrt(window - 1)`` or :class:`RobustSpikeDetector`.
+
     Same trace as the lesson's class on finite values; unlike it, a non-finite value
     counts as a spike and never enters the history (the lesson's ``np.mean`` would be
     NaN from then on and no spike would ever be seen again).
