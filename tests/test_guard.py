@@ -1,0 +1,250 @@
+"""The Guard end to end: injected faults, recovery, one host read per step, events, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from floatguard import (
+    ClipPolicy,
+    Guard,
+    GuardStopped,
+    ResponsePolicy,
+    SpikePolicy,
+    read_events,
+)
+
+from .monitor.test_sync_free import CountSyncs
+
+D_IN, D_OUT = 8, 4
+
+
+def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(D_IN, 32), nn.Tanh(), nn.Linear(32, D_OUT))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(123)
+    w = torch.randn(D_IN, D_OUT, generator=g)
+    out = []
+    for _ in range(n):
+        x = torch.randn(32, D_IN, generator=g)
+        out.append((x, torch.tanh(x @ w) + 0.05 * torch.randn(32, D_OUT, generator=g)))
+    return out
+
+
+EVAL = batches(1)[0]
+
+
+def eval_loss(model: nn.Module) -> float:
+    with torch.no_grad():
+        return float(((model(EVAL[0]) - EVAL[1]) ** 2).mean())
+
+
+def flip_exponent_bit(model: nn.Module) -> None:
+    """A cosmic-ray style fault: bit 30 (exponent MSB) of a weight in [1, 2) flips,
+    which makes the exponent field all ones: the weight becomes NaN."""
+    with torch.no_grad():
+        w = model[0].weight
+        v = 1.0 + abs(float(w[0, 0])) % 1.0
+        bits = struct.unpack("<I", struct.pack("<f", v))[0] ^ (1 << 30)
+        w[0, 0] = struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+N = 800
+FAULTS = {
+    "nan_batch": 40,
+    "inf_grad": 80,
+    "bit_flip": 120,
+    "spike_batch": 200,
+    "bad_run": range(260, 268),
+}
+
+
+def run(
+    guarded: bool, faults: bool = True, log: Path | None = None
+) -> tuple[nn.Module, Guard | None]:
+    model, opt = make()
+    guard = (
+        Guard(
+            model,
+            opt,
+            clip=ClipPolicy(kind="norm", max_norm=5.0),
+            spikes=SpikePolicy(window=30, z=8.0),
+            response=ResponsePolicy(rollback_after=4, snapshot_every=10, skip_batches=1),
+            log=log,
+        )
+        if guarded
+        else None
+    )
+    hook_handle = None
+    for i, (x, y) in enumerate(batches(N)):
+        if faults:
+            if i == FAULTS["nan_batch"] or i in FAULTS["bad_run"]:  # type: ignore[operator]
+                x = x.clone()
+                x[3, 2] = math.nan
+            if i == FAULTS["spike_batch"]:
+                y = y * 40.0
+            if i == FAULTS["bit_flip"]:
+                flip_exponent_bit(model)
+            if i == FAULTS["inf_grad"]:
+                hook_handle = model[2].weight.register_hook(lambda g: g * math.inf)
+        loss = ((model(x) - y) ** 2).mean()
+        if guard is not None:
+            guard.backward(loss)
+            guard.step()
+        else:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if hook_handle is not None:
+            hook_handle.remove()
+            hook_handle = None
+    return model, guard
+
+
+def test_guarded_run_recovers_unguarded_run_dies(tmp_path: Path) -> None:
+    clean, _ = run(guarded=False, faults=False)
+    unguarded, _ = run(guarded=False)
+    guarded, guard = run(guarded=True, log=tmp_path / "run.jsonl")
+    assert guard is not None
+    assert not all(bool(torch.isfinite(p).all()) for p in unguarded.parameters())
+    assert all(bool(torch.isfinite(p).all()) for p in guarded.parameters())
+    ref, got = eval_loss(clean), eval_loss(guarded)
+    assert abs(got - ref) <= 0.05 * ref, (got, ref)
+    kinds = [e.kind for e in guard.events.events]
+    assert "rollback" in kinds and "spike" in kinds and "fault" in kinds
+    reasons = {e["reason"] for e in guard.events.of_kind("step")}
+    assert {"nonfinite_grad", "loss_spike"} <= reasons
+    faults = guard.events.of_kind("fault")
+    assert faults[0].step == FAULTS["nan_batch"] and faults[0]["phase"] == "input"
+    flipped = [f for f in faults if f.step == FAULTS["bit_flip"]]
+    assert flipped and (flipped[0]["module"], flipped[0]["tensor"]) == ("0", "param:weight")
+    assert guard.rollbacks >= 2
+    # The JSONL stream round-trips.
+    on_disk = list(read_events(tmp_path / "run.jsonl"))
+    assert [e.kind for e in on_disk] == kinds
+    first = json.loads((tmp_path / "run.jsonl").read_text().splitlines()[0])
+    assert first["schema"] == 1 and "time" in first
+    guard.close()
+
+
+def test_rollback_restores_the_snapshot_bit_identically() -> None:
+    model, opt = make()
+    guard = Guard(
+        model,
+        opt,
+        response=ResponsePolicy(rollback_after=2, snapshot_every=5),
+        spikes=SpikePolicy(watch_loss=False),
+    )
+    data = batches(12)
+    for x, y in data[:10]:
+        guard.backward(((model(x) - y) ** 2).mean())
+        assert guard.step().action == "applied"
+    snap = guard._snapshot
+    assert snap is not None and snap.step == 10
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    actions = []
+    for x, y in data[10:12]:
+        x = x * math.nan
+        guard.backward(((model(x) - y) ** 2).mean())
+        actions.append(guard.step().action)
+    assert actions == ["skipped", "rolled_back"]
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    assert opt.state_dict()["state"][0]["step"] == 10
+    guard.close()
+
+
+def test_stops_after_max_rollbacks() -> None:
+    model, opt = make()
+    guard = Guard(
+        model, opt, response=ResponsePolicy(rollback_after=1, max_rollbacks=2, skip_batches=0)
+    )
+    x, y = batches(1)[0]
+    with pytest.raises(GuardStopped, match="2 rollbacks did not restore") as ei:
+        for _ in range(10):
+            guard.backward(((model(x * math.nan) - y) ** 2).mean())
+            guard.step()
+    assert ei.value.report["rollbacks"] == 2
+    assert guard.events.of_kind("stop")
+
+
+def test_one_host_read_per_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 16), nn.Tanh(), nn.Linear(16, D_OUT))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD itself never syncs
+    guard = Guard(model, opt, precision="fp16")
+    x, y = batches(1)[0]
+    for _ in range(3):
+        with CountSyncs() as counter:
+            with guard.autocast():
+                loss = ((model(x).float() - y) ** 2).mean()
+            guard.backward(loss)
+            guard.step()
+        assert counter.calls == ["tolist"], counter.calls
+
+
+def test_fp16_overflow_backs_off_the_scale_and_skips() -> None:
+    model, opt = make()
+    guard = Guard(model, opt, precision="fp16", spikes=SpikePolicy(watch_loss=False))
+    x, y = batches(1)[0]
+    before = [p.clone() for p in model.parameters()]
+    with guard.autocast():
+        loss = ((model(x).float() - y) ** 2).mean() * 1e30  # scaled by 65536: overflows
+    guard.backward(loss)
+    r = guard.step()
+    assert (r.action, r.reason, r.scale) == ("skipped", "overflow", 65536.0)
+    assert guard.scaler.get_scale() == 32768.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_lr_backoff_and_recovery_leave_the_scheduler_alone() -> None:
+    model, opt = make()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)
+    guard = Guard(
+        model, opt, scheduler=sched, spikes=SpikePolicy(watch_loss=False),
+        response=ResponsePolicy(lr_backoff_after=2, lr_recovery_steps=4, rollback_after=10),
+    )  # fmt: skip
+    data = batches(10)
+    for i, (x, y) in enumerate(data):
+        if i in (2, 3):
+            x = x * math.nan
+        guard.backward(((model(x) - y) ** 2).mean())
+        r = guard.step()
+        if i == 3:
+            assert r.lr_factor == 0.5
+    assert guard.lr_factor == 1.0  # restored after 4 good steps
+    assert opt.param_groups[0]["lr"] == 1e-2 and sched.last_epoch == 8
+
+
+def test_bad_input() -> None:
+    model, opt = make()
+    with pytest.raises(ValueError, match="optimizer has no parameters"):
+        Guard(model, torch.optim.SGD([{"params": []}], lr=0.1))
+    other = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not the model's"):
+        Guard(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        Guard(model, opt, precision="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ResponsePolicy.rollback_after=0"):
+        ResponsePolicy(rollback_after=0)
+    with pytest.raises(ValueError, match="ClipPolicy.kind='l2'"):
+        ClipPolicy(kind="l2")  # type: ignore[arg-type]
+    g = Guard(model, opt)
+    with pytest.raises(RuntimeError, match="call guard.backward"):
+        g.step()
+    g.close()
+    if torch.device("meta"):
+        meta = nn.Linear(2, 2)
+        meta.bias = nn.Parameter(torch.zeros(2, device="meta"))
+        with pytest.raises(ValueError, match="several devices"):
+            Guard(meta, torch.optim.SGD(meta.parameters(), lr=0.1))
