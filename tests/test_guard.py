@@ -235,12 +235,12 @@ def test_bad_input() -> None:
         Guard(model, torch.optim.SGD(other.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="precision='fp8'"):
         Guard(model, opt, precision="fp8")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="ResponsePolicy.rollback_after=0"):
+    with pytest.raises(ValueError, match=r"ResponsePolicy.rollback_after=0"):
         ResponsePolicy(rollback_after=0)
-    with pytest.raises(ValueError, match="ClipPolicy.kind='l2'"):
+    with pytest.raises(ValueError, match=r"ClipPolicy.kind='l2'"):
         ClipPolicy(kind="l2")  # type: ignore[arg-type]
     g = Guard(model, opt)
-    with pytest.raises(RuntimeError, match="call guard.backward"):
+    with pytest.raises(RuntimeError, match=r"call guard.backward"):
         g.step()
     g.close()
     if torch.device("meta"):

@@ -118,7 +118,7 @@ def test_overflow_report_and_state() -> None:
 
 
 def test_bad_values() -> None:
-    with pytest.raises(ValueError, match="backoff_factor=1.5"):
+    with pytest.raises(ValueError, match=r"backoff_factor=1.5"):
         DynamicLossScaler(backoff_factor=1.5)
     with pytest.raises(ValueError, match="growth_interval=0"):
         DynamicLossScaler(growth_interval=0)

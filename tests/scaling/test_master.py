@@ -58,5 +58,5 @@ def test_tiny_updates_survive_only_with_masters() -> None:
 def test_errors() -> None:
     with pytest.raises(ValueError, match="no float16/bfloat16 parameters"):
         MasterWeights(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
-    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"needs a torch.optim.Optimizer"):
         MasterWeights([1])  # type: ignore[arg-type]

@@ -119,7 +119,7 @@ def test_zclip_is_nan_safe_and_checkpointable() -> None:
     restored = ZClip()
     restored.load_state_dict(z.state_dict())
     assert float(restored.mean) == float(z.mean) and restored.config == z.config  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="alpha=1.5"):
+    with pytest.raises(ValueError, match=r"alpha=1.5"):
         ZClipConfig(alpha=1.5)
 
 

@@ -61,7 +61,7 @@ def test_restore_is_bit_identical_including_rng(tmp_path: Path) -> None:
 def test_crash_during_write_keeps_the_previous_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, opt, scaler, z = _setup()
+    model, opt, _, _ = _setup()
     objs = {"model": model, "optimizer": opt}
     target = tmp_path / "snap.pt"
     Snapshot.capture(1, objs).save(target)  # type: ignore[arg-type]

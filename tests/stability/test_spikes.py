@@ -67,7 +67,7 @@ def test_lesson_default_can_never_fire() -> None:
 def test_nan_never_poisons_the_history() -> None:
     lesson = LessonLossSpikeHandler(2.0, 1)
     ours = LossSpikeHandler(2.0, 1)
-    seq = _losses()[:30] + [math.nan, 2.7, 2.7, 9.0] + _losses()[30:60]
+    seq = [*_losses()[:30], math.nan, 2.7, 2.7, 9.0, *_losses()[30:60]]
     lt = [lesson.check_spike(v) for v in seq]
     ot = [ours.check(v) for v in seq]
     assert ot[30] is True  # NaN is a spike
