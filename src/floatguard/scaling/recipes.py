@@ -1,0 +1,417 @@
+"""Low-precision scaling recipes: how a tensor is scaled into a format's window, then quantized.
+
+Convention (Transformer Engine's): a *scale* ``s`` multiplies values into the
+format's range, ``q = quantize(x * s) / s``. Every recipe returns the fake-quantized
+tensor (values the low-precision format would give back, in x's dtype) and the
+scales it used.
+
+One policy for a degenerate amax, in every recipe: a scale is never NaN or inf.
+An amax of 0 (an all-zero tensor or block) or a non-finite amax gives scale 1.0
+(current scaling) or keeps the previous scale (delayed scaling); the number of
+such fallbacks is reported (``fallbacks``) so the caller can record an event. The
+references disagree here: Transformer Engine keeps the previous scale, torchao
+clamps amax to 1e-12 (so an all-zero tensor gets a scale of 4.5e14, and an inf
+amax a scale of 0, which turns inf into NaN), DeepSeek's reference kernel divides
+by zero.
+
+Formats and recipes (references in the docstrings):
+``Tensorwise``, ``Rowwise``, ``Delayed`` (+ ``DelayedScaler``), ``Block``
+(1x128 / 128x128, DeepSeek-V3), ``MX`` (32-element blocks, E8M0 scales; floor,
+ceil, even, rceil), ``NVFP4`` (16-element e2m1 blocks, e4m3 block scales, fp32
+tensor scale), ``EMAScaler`` (the lessons' dynamic scaler, with a real FP8 cast).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from floatguard.formats.quantize import quantize
+from floatguard.formats.registry import Format, get
+
+__all__ = [
+    "MX",
+    "NVFP4",
+    "Block",
+    "Delayed",
+    "DelayedScaler",
+    "EMAScaler",
+    "QuantResult",
+    "Recipe",
+    "Rowwise",
+    "Tensorwise",
+    "amax_to_scale",
+    "quant_metrics",
+]
+
+
+@dataclass(frozen=True)
+class QuantResult:
+    """A fake-quantized tensor, the scales used (shape per recipe), and how many scales
+    fell back because their amax was 0 or non-finite (a device int, no sync)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    fallbacks: torch.Tensor
+
+
+def amax_to_scale(
+    amax: torch.Tensor,
+    fmt: str | Format,
+    *,
+    margin: int = 0,
+    eps: float = 0.0,
+    power_of_two: bool = False,
+    fallback: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """``fmt.max / max(amax, eps) / 2**margin``, or ``fallback`` where amax is 0 or not finite.
+
+    ``eps=0`` is Transformer Engine's formula, ``eps=1e-12`` torchao's (there an
+    amax of 0 gives ``fmt.max / 1e-12`` rather than the fallback). ``power_of_two``
+    rounds the scale *down* to a power of two (torchao's ``round_scales_to_power_of_2``),
+    so ``amax * scale`` still fits. Float32, on amax's device, no sync.
+    """
+    f = get(fmt)
+    a = amax.to(torch.float32)
+    denom = torch.clamp(a, min=eps) if eps > 0 else a
+    scale = (f.max / denom) / (2.0**margin)
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    ok = torch.isfinite(a) & torch.isfinite(scale) & (scale > 0)
+    fb = torch.as_tensor(fallback, dtype=torch.float32, device=a.device)
+    return torch.where(ok, scale, fb)
+
+
+def _fq(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """quantize(x * scale) / scale in float32 (saturating: values past max clamp)."""
+    xs = x.to(torch.float32) * scale
+    q = quantize(xs, fmt, overflow="saturate")
+    return q / scale
+
+
+def quant_metrics(x: torch.Tensor, q: torch.Tensor, fmt: str | Format | None = None) -> dict[str, float]:
+    """SQNR (dB), relative error, and the overflow / underflow / subnormal shares (%) of a
+    quantization ``x -> q``. Underflow counts non-zero values flushed to zero; overflow
+    values that came back with a smaller magnitude clamped at the format's max (needs
+    ``fmt``); subnormal counts values stored as subnormals of ``fmt`` (after scaling is
+    not visible here, so it is measured on ``q`` against ``fmt`` only for unscaled use).
+    Reads the result on the host."""
+    xf, qf = x.detach().double().reshape(-1), q.detach().double().reshape(-1)
+    finite = torch.isfinite(xf)
+    xf, qf = xf[finite], qf[finite]
+    noise = ((xf - qf) ** 2).sum()
+    signal = (xf**2).sum()
+    sqnr = float(10 * torch.log10(signal / noise)) if float(noise) > 0 else math.inf
+    n = max(xf.numel(), 1)
+    nz = xf != 0
+    out = {
+        "sqnr_db": sqnr,
+        "rel_error": float(torch.sqrt(noise / signal)) if float(signal) > 0 else 0.0,
+        "underflow_pct": 100.0 * float((nz & (qf == 0)).sum()) / n,
+        "overflow_pct": 0.0,
+        "subnormal_pct": 0.0,
+    }
+    if fmt is not None:
+        f = get(fmt)
+        out["overflow_pct"] = 100.0 * float((xf.abs() > f.max).sum()) / n
+        out["subnormal_pct"] = 100.0 * float(((qf != 0) & (qf.abs() < f.tiny)).sum()) / n
+    return out
+
+
+def _blocks_last(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """View x's last dim as [..., nblocks, block] (zero-padded); returns the pad."""
+    k = x.shape[-1]
+    pad = (-k) % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, block), pad
+
+
+class Recipe:
+    """Base of the current-scaling recipes: ``__call__(x) -> QuantResult``."""
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Just the fake-quantized values, in x's dtype."""
+        return self(x).values.to(x.dtype)
+
+
+def _count_fallback(amax: torch.Tensor, f: Format, eps: float) -> torch.Tensor:
+    a = amax.to(torch.float32)
+    bad = ~torch.isfinite(a) | ((a <= 0) if eps == 0 else torch.zeros_like(a, dtype=torch.bool))
+    return bad.sum()
+
+
+@dataclass(frozen=True)
+class Tensorwise(Recipe):
+    """One scale for the whole tensor from its current amax (TE Float8CurrentScaling,
+    torchao tensorwise)."""
+
+    fmt: str = "e4m3fn"
+    power_of_two: bool = False
+    eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        get(self.fmt)
+        if self.eps < 0:
+            raise ValueError(f"Tensorwise.eps={self.eps!r} must be >= 0")
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        f = get(self.fmt)
+        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        scale = amax_to_scale(amax, f, eps=self.eps, power_of_two=self.power_of_two)
+        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, _count_fallback(amax, f, self.eps))
+
+
+@dataclass(frozen=True)
+class Rowwise(Recipe):
+    """One scale per slice along ``axis`` (torchao rowwise: per row of activations, per
+    output channel of weights)."""
+
+    fmt: str = "e4m3fn"
+    axis: int = -1
+    power_of_two: bool = False
+    eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        get(self.fmt)
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        f = get(self.fmt)
+        amax = x.detach().abs().amax(dim=self.axis, keepdim=True).float()
+        scale = amax_to_scale(amax, f, eps=self.eps, power_of_two=self.power_of_two)
+        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, _count_fallback(amax, f, self.eps))
+
+
+@dataclass(frozen=True)
+class Block(Recipe):
+    """A scale per block of the last two dims: ``(1, 128)`` tiles for activations and
+    gradients, ``(128, 128)`` blocks for weights (DeepSeek-V3; TE Float8BlockScaling).
+    ``scale="fp32"`` keeps the exact ``fmt.max / amax``; ``"pow2"`` rounds it down to a
+    power of two. Partial blocks at the edges are fine (zero padding does not change amax)."""
+
+    fmt: str = "e4m3fn"
+    block: tuple[int, int] = (1, 128)
+    scale: Literal["fp32", "pow2"] = "fp32"
+
+    def __post_init__(self) -> None:
+        get(self.fmt)
+        if len(self.block) != 2 or any(not isinstance(b, int) or b < 1 for b in self.block):
+            raise ValueError(f"Block.block={self.block!r} must be two positive ints")
+        if self.scale not in ("fp32", "pow2"):
+            raise ValueError(f"Block.scale={self.scale!r}; use 'fp32' or 'pow2'")
+
+    @classmethod
+    def deepseek_v3_activation(cls) -> Block:
+        """1x128 tiles, e4m3, fp32 scales (activations and gradients)."""
+        return cls("e4m3fn", (1, 128), "fp32")
+
+    @classmethod
+    def deepseek_v3_weight(cls) -> Block:
+        """128x128 blocks, e4m3, fp32 scales (weights)."""
+        return cls("e4m3fn", (128, 128), "fp32")
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        f = get(self.fmt)
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
+        rows, cols = x2.shape
+        br, bc = self.block
+        pr, pc = (-rows) % br, (-cols) % bc
+        xp = torch.nn.functional.pad(x2.float(), (0, pc, 0, pr))
+        blocks = xp.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
+        amax = blocks.detach().abs().amax(dim=(1, 3), keepdim=True)
+        s = amax_to_scale(amax, f, power_of_two=self.scale == "pow2")
+        q = (quantize(blocks * s, f, overflow="saturate") / s).reshape(rows + pr, cols + pc)
+        q = q[:rows, :cols].reshape(x.shape).to(x.dtype)
+        return QuantResult(q, s.reshape(amax.shape[0], amax.shape[2]), _count_fallback(amax, f, 0.0))
+
+
+@dataclass(frozen=True)
+class MX(Recipe):
+    """OCP Microscaling: blocks of ``block`` (32) elements along the last dim share an
+    E8M0 scale ``2**X``; elements are ``x / 2**X`` in ``element`` format (saturating).
+
+    ``scale_mode`` picks X from the block amax (the OCP spec and torchao's modes):
+    ``"floor"``: ``floor(log2 amax) - emax_elem`` (OCP; amax may land above the
+    element max and saturate); ``"ceil"``: one more whenever amax is not a power of
+    two; ``"even"``: amax rounded to the element's mantissa width first, then floor;
+    ``"rceil"``: ``ceil(log2(amax / elem_max))`` (NVIDIA's: never saturates).
+    ``emax_elem = floor(log2(element max))``. X is clamped to E8M0's [-127, 127]; an
+    all-zero block gets X = -127 (zeros stay zeros), a NaN block a NaN scale.
+    """
+
+    element: str = "e4m3fn"
+    block: int = 32
+    scale_mode: Literal["floor", "ceil", "even", "rceil"] = "floor"
+
+    def __post_init__(self) -> None:
+        if get(self.element).name not in ("e4m3fn", "e5m2", "e2m3fn", "e3m2fn", "e2m1fn"):
+            raise ValueError(
+                f"MX.element={self.element!r}; MX elements are e4m3fn, e5m2, e2m3fn, e3m2fn, e2m1fn"
+            )
+        if not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"MX.block={self.block!r} must be a positive int")
+        if self.scale_mode not in ("floor", "ceil", "even", "rceil"):
+            raise ValueError(f"MX.scale_mode={self.scale_mode!r}; use floor, ceil, even or rceil")
+
+    def exponents(self, amax: torch.Tensor) -> torch.Tensor:
+        """The unbiased shared exponent X per block amax (float32 tensor; NaN for NaN)."""
+        f = get(self.element)
+        emax_elem = math.floor(math.log2(f.max))
+        a = amax.to(torch.float32)
+        if self.scale_mode == "rceil":
+            ratio = a / f.max
+            x = torch.ceil(torch.log2(ratio))
+        else:
+            if self.scale_mode == "even":
+                a = quantize(a, Format.custom(8, f.mantissa_bits, name="amax_round"))
+            _, e = torch.frexp(a)
+            floor_log2 = (e - 1).to(torch.float32)
+            if self.scale_mode == "ceil":
+                m, _ = torch.frexp(a)
+                floor_log2 = floor_log2 + (m != 0.5).to(torch.float32)
+            x = floor_log2 - emax_elem
+        x = torch.where(a > 0, x, torch.full_like(x, -127.0))
+        x = torch.clamp(x, -127.0, 127.0)
+        return torch.where(torch.isnan(a), torch.full_like(x, math.nan), x)
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        f = get(self.element)
+        blocks, pad = _blocks_last(x.float(), self.block)
+        amax = blocks.detach().abs().amax(dim=-1, keepdim=True)
+        scale = torch.exp2(self.exponents(amax))  # the E8M0 scale value 2**X
+        q = quantize(blocks / scale, f, overflow="saturate") * scale
+        q = q.reshape(*q.shape[:-2], -1)
+        if pad:
+            q = q[..., : x.shape[-1]]
+        return QuantResult(q.reshape(x.shape).to(x.dtype), scale.squeeze(-1), (amax == 0).sum())
+
+
+@dataclass(frozen=True)
+class NVFP4(Recipe):
+    """NVIDIA NVFP4: 16-element blocks of e2m1, each with an e4m3 scale, under one fp32
+    per-tensor scale. Encode scale ``S = (6 * 448) / amax_tensor``; a block's decode scale
+    ``amax_block / 6`` is stored as ``e4m3(amax_block / 6 * S)``; elements are
+    ``e2m1(x * S / stored)``; values come back as ``q * stored / S``."""
+
+    block: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"NVFP4.block={self.block!r} must be a positive int")
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        e2m1, e4m3 = get("e2m1fn"), get("e4m3fn")
+        xf = x.float()
+        amax_t = xf.detach().abs().amax() if xf.numel() else torch.zeros(())
+        s_enc = amax_to_scale(amax_t, Format.custom(8, 23, name="nvfp4_global"), fallback=1.0)
+        s_enc = torch.where(
+            torch.isfinite(amax_t) & (amax_t > 0), (e2m1.max * e4m3.max) / amax_t, torch.ones_like(s_enc)
+        )
+        blocks, pad = _blocks_last(xf, self.block)
+        amax_b = blocks.detach().abs().amax(dim=-1, keepdim=True)
+        stored = quantize(amax_b / e2m1.max * s_enc, e4m3, overflow="saturate")
+        dec = stored / s_enc  # the block's decode scale in real units
+        safe = torch.where(dec > 0, dec, torch.ones_like(dec))
+        q = quantize(blocks / safe, e2m1, overflow="saturate") * safe
+        q = torch.where(dec > 0, q, torch.zeros_like(q))
+        q = q.reshape(*q.shape[:-2], -1)
+        if pad:
+            q = q[..., : x.shape[-1]]
+        fallbacks = (~(torch.isfinite(amax_t) & (amax_t > 0))).sum()
+        return QuantResult(q.reshape(x.shape).to(x.dtype), torch.stack([s_enc.reshape(()), stored.amax()]), fallbacks)
+
+
+@dataclass(frozen=True)
+class Delayed:
+    """Delayed scaling (TE DelayedScaling): the scale for this step comes from the amax
+    history of previous steps, ``fmt.max / amax_h / 2**margin`` with ``amax_h`` the max
+    (``algo="max"``) or the most recent entry of the last ``history_len`` amaxes."""
+
+    fmt: str = "e4m3fn"
+    history_len: int = 16
+    algo: Literal["max", "most_recent"] = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        get(self.fmt)
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(f"Delayed.history_len={self.history_len!r} must be an int >= 1")
+        if self.algo not in ("max", "most_recent"):
+            raise ValueError(f"Delayed.algo={self.algo!r}; use 'max' or 'most_recent'")
+
+    def scaler(self) -> DelayedScaler:
+        return DelayedScaler(self)
+
+
+@dataclass
+class DelayedScaler:
+    """State of a :class:`Delayed` recipe: the amax history and the current scale (device).
+
+    ``__call__(x)`` quantizes with the current scale, records x's amax, and computes
+    the next scale; an amax of 0 or non-finite keeps the previous scale (TE's rule).
+    """
+
+    recipe: Delayed
+    history: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    steps: int = field(default=0)
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        f = get(self.recipe.fmt)
+        if self.history is None or self.scale is None:
+            self.history = torch.zeros(self.recipe.history_len, device=x.device)
+            self.scale = torch.ones((), device=x.device)
+        values = _fq(x, self.scale, f).to(x.dtype)
+        used = self.scale.clone()
+        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        self.history = torch.roll(self.history, 1)
+        self.history[0] = amax
+        self.steps += 1
+        amax_h = self.history.amax() if self.recipe.algo == "max" else self.history[0]
+        self.scale = amax_to_scale(amax_h, f, margin=self.recipe.margin, fallback=self.scale)
+        return QuantResult(values, used, _count_fallback(amax_h, f, 0.0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": None if self.history is None else self.history.clone(),
+            "scale": None if self.scale is None else self.scale.clone(),
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.history, self.scale, self.steps = sd["history"], sd["scale"], int(sd["steps"])
+
+
+@dataclass
+class EMAScaler:
+    """The lessons' dynamic FP8 scaler, repaired: an EMA of the amax (``smoothing``) with a
+    ``margin`` of headroom, and a real cast to ``fmt`` (the lesson rounded through int8,
+    which is not what an FP8 format stores)."""
+
+    fmt: str = "e4m3fn"
+    margin: int = 0
+    smoothing: float = 0.9
+    amax_ema: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        get(self.fmt)
+        if not 0 <= self.smoothing < 1:
+            raise ValueError(f"EMAScaler.smoothing={self.smoothing!r} must be in [0, 1)")
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        f = get(self.fmt)
+        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        ok = torch.isfinite(amax)
+        if self.amax_ema is None:
+            self.amax_ema = torch.where(ok, amax, torch.zeros_like(amax))
+        else:
+            new = self.smoothing * self.amax_ema + (1 - self.smoothing) * amax
+            self.amax_ema = torch.where(ok, new, self.amax_ema)
+        scale = amax_to_scale(self.amax_ema, f, margin=self.margin)
+        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, _count_fallback(self.amax_ema, f, 0.0))
