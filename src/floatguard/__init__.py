@@ -3,13 +3,14 @@
 The public API is what ``__all__`` lists; everything else is private.
 """
 
+from floatguard.audit import AuditReport, audit
 from floatguard.events import Event, EventLog, read_events
 from floatguard.formats import FORMATS, Explanation, Format, explain, quantize
 from floatguard.formats.codec import decode, encode
 from floatguard.guard import Guard, StepResult
 from floatguard.monitor import Alert, Fault, Monitor, ReplayResult, replay
 from floatguard.ops import GradcheckReport, LogSumExp, Moments, gradcheck
-from floatguard.scaling import DynamicLossScaler, MasterWeights
+from floatguard.scaling import DynamicLossScaler, EmulationRecipe, MasterWeights, emulate, restore
 from floatguard.stability import (
     ClipPolicy,
     GuardStopped,
@@ -32,8 +33,10 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS",
     "Alert",
+    "AuditReport",
     "ClipPolicy",
     "DynamicLossScaler",
+    "EmulationRecipe",
     "Event",
     "EventLog",
     "Explanation",
@@ -58,10 +61,12 @@ __all__ = [
     "ZClip",
     "ZClipConfig",
     "__version__",
+    "audit",
     "audit_tensor_numerics",
     "clip_grad_norm_",
     "clip_grad_value_",
     "decode",
+    "emulate",
     "encode",
     "explain",
     "gradcheck",
@@ -69,5 +74,6 @@ __all__ = [
     "quantize",
     "read_events",
     "replay",
+    "restore",
     "tensor_stats",
 ]

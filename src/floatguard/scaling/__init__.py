@@ -1,6 +1,49 @@
-"""How values are kept inside a format's window: loss scaling and master weights."""
+"""How values are kept inside a format's window: loss scaling, master weights, FP8 recipes."""
 
+from floatguard.scaling.fake_quant import (
+    EmulatedLinear,
+    EmulationRecipe,
+    FakeQuant,
+    emulate,
+    fake_quant,
+    restore,
+)
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.scaling.master import MasterWeights
+from floatguard.scaling.recipes import (
+    MX,
+    NVFP4,
+    Block,
+    Delayed,
+    DelayedScaler,
+    EMAScaler,
+    QuantResult,
+    Recipe,
+    Rowwise,
+    Tensorwise,
+    amax_to_scale,
+    quant_metrics,
+)
 
-__all__ = ["DynamicLossScaler", "MasterWeights"]
+__all__ = [
+    "MX",
+    "NVFP4",
+    "Block",
+    "Delayed",
+    "DelayedScaler",
+    "DynamicLossScaler",
+    "EMAScaler",
+    "EmulatedLinear",
+    "EmulationRecipe",
+    "FakeQuant",
+    "MasterWeights",
+    "QuantResult",
+    "Recipe",
+    "Rowwise",
+    "Tensorwise",
+    "amax_to_scale",
+    "emulate",
+    "fake_quant",
+    "quant_metrics",
+    "restore",
+]

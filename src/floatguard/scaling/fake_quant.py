@@ -62,7 +62,9 @@ class EmulationRecipe:
     def hybrid_block(cls) -> EmulationRecipe:
         """DeepSeek-V3 style blocks (1x128 activations, 128x128 weights, e4m3) with e5m2
         1x128 gradients (the HYBRID choice of format for the backward pass)."""
-        return cls(Block.deepseek_v3_activation(), Block.deepseek_v3_weight(), Block("e5m2", (1, 128)))
+        return cls(
+            Block.deepseek_v3_activation(), Block.deepseek_v3_weight(), Block("e5m2", (1, 128))
+        )
 
     @classmethod
     def deepseek_v3(cls) -> EmulationRecipe:
@@ -87,7 +89,9 @@ class FakeQuant(torch.autograd.Function):
     incoming gradient with ``grad_recipe``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, recipe: Recipe | None, grad_recipe: Recipe | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, recipe: Recipe | None, grad_recipe: Recipe | None
+    ) -> torch.Tensor:
         ctx.grad_recipe = grad_recipe
         return x if recipe is None else recipe(x).values
 
@@ -97,7 +101,9 @@ class FakeQuant(torch.autograd.Function):
         return (g if gr is None else gr(g).values), None, None
 
 
-def fake_quant(x: torch.Tensor, recipe: Recipe | None, grad_recipe: Recipe | None = None) -> torch.Tensor:
+def fake_quant(
+    x: torch.Tensor, recipe: Recipe | None, grad_recipe: Recipe | None = None
+) -> torch.Tensor:
     """Differentiable fake quantization (see :class:`FakeQuant`)."""
     out: torch.Tensor = FakeQuant.apply(x, recipe, grad_recipe)  # type: ignore[no-untyped-call]
     return out
@@ -144,7 +150,7 @@ class EmulatedLinear(nn.Module):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe}"
+        return f"in={self.in_features}, out={self.out_features}, recipe={self.recipe}"
 
 
 def emulate(

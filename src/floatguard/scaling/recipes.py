@@ -92,7 +92,9 @@ def _fq(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     return q / scale
 
 
-def quant_metrics(x: torch.Tensor, q: torch.Tensor, fmt: str | Format | None = None) -> dict[str, float]:
+def quant_metrics(
+    x: torch.Tensor, q: torch.Tensor, fmt: str | Format | None = None
+) -> dict[str, float]:
     """SQNR (dB), relative error, and the overflow / underflow / subnormal shares (%) of a
     quantization ``x -> q``. Underflow counts non-zero values flushed to zero; overflow
     values that came back with a smaller magnitude clamped at the format's max (needs
@@ -228,7 +230,9 @@ class Block(Recipe):
         s = amax_to_scale(amax, f, power_of_two=self.scale == "pow2")
         q = (quantize(blocks * s, f, overflow="saturate") / s).reshape(rows + pr, cols + pc)
         q = q[:rows, :cols].reshape(x.shape).to(x.dtype)
-        return QuantResult(q, s.reshape(amax.shape[0], amax.shape[2]), _count_fallback(amax, f, 0.0))
+        return QuantResult(
+            q, s.reshape(amax.shape[0], amax.shape[2]), _count_fallback(amax, f, 0.0)
+        )
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,9 @@ class NVFP4(Recipe):
         amax_t = xf.detach().abs().amax() if xf.numel() else torch.zeros(())
         s_enc = amax_to_scale(amax_t, Format.custom(8, 23, name="nvfp4_global"), fallback=1.0)
         s_enc = torch.where(
-            torch.isfinite(amax_t) & (amax_t > 0), (e2m1.max * e4m3.max) / amax_t, torch.ones_like(s_enc)
+            torch.isfinite(amax_t) & (amax_t > 0),
+            (e2m1.max * e4m3.max) / amax_t,
+            torch.ones_like(s_enc),
         )
         blocks, pad = _blocks_last(xf, self.block)
         amax_b = blocks.detach().abs().amax(dim=-1, keepdim=True)
@@ -324,7 +330,11 @@ class NVFP4(Recipe):
         if pad:
             q = q[..., : x.shape[-1]]
         fallbacks = (~(torch.isfinite(amax_t) & (amax_t > 0))).sum()
-        return QuantResult(q.reshape(x.shape).to(x.dtype), torch.stack([s_enc.reshape(()), stored.amax()]), fallbacks)
+        return QuantResult(
+            q.reshape(x.shape).to(x.dtype),
+            torch.stack([s_enc.reshape(()), stored.amax()]),
+            fallbacks,
+        )
 
 
 @dataclass(frozen=True)
@@ -414,4 +424,6 @@ class EMAScaler:
             new = self.smoothing * self.amax_ema + (1 - self.smoothing) * amax
             self.amax_ema = torch.where(ok, new, self.amax_ema)
         scale = amax_to_scale(self.amax_ema, f, margin=self.margin)
-        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, _count_fallback(self.amax_ema, f, 0.0))
+        return QuantResult(
+            _fq(x, scale, f).to(x.dtype), scale, _count_fallback(self.amax_ema, f, 0.0)
+        )
