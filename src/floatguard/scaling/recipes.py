@@ -269,15 +269,20 @@ class MX(Recipe):
         emax_elem = math.floor(math.log2(f.max))
         a = amax.to(torch.float32)
         if self.scale_mode == "rceil":
-            ratio = a / f.max
-            x = torch.ceil(torch.log2(ratio))
+            # ceil(log2(amax / elem_max)) exactly: frexp gives r = m * 2**e, m in [0.5, 1);
+            # log2 in float32 would lose the fraction just above a power of two.
+            m, e = torch.frexp(a / f.max)
+            x = torch.where(m == 0.5, e - 1, e).to(torch.float32)
+        elif self.scale_mode == "even":
+            # Round amax half-up at the element's mantissa width, keep the exponent only
+            # (a carry moves to the next power of two, as the OCP/torchao "even" mode).
+            bits = a.view(torch.int32) + (1 << (22 - f.mantissa_bits))
+            pow2 = ((bits >> 23) & 0xFF).to(torch.float32) - 127
+            x = pow2 - emax_elem
         else:
-            if self.scale_mode == "even":
-                a = quantize(a, Format.custom(8, f.mantissa_bits, name="amax_round"))
-            _, e = torch.frexp(a)
+            m, e = torch.frexp(a)
             floor_log2 = (e - 1).to(torch.float32)
             if self.scale_mode == "ceil":
-                m, _ = torch.frexp(a)
                 floor_log2 = floor_log2 + (m != 0.5).to(torch.float32)
             x = floor_log2 - emax_elem
         x = torch.where(a > 0, x, torch.full_like(x, -127.0))
@@ -312,13 +317,9 @@ class NVFP4(Recipe):
     def __call__(self, x: torch.Tensor) -> QuantResult:
         e2m1, e4m3 = get("e2m1fn"), get("e4m3fn")
         xf = x.float()
-        amax_t = xf.detach().abs().amax() if xf.numel() else torch.zeros(())
-        s_enc = amax_to_scale(amax_t, Format.custom(8, 23, name="nvfp4_global"), fallback=1.0)
-        s_enc = torch.where(
-            torch.isfinite(amax_t) & (amax_t > 0),
-            (e2m1.max * e4m3.max) / amax_t,
-            torch.ones_like(s_enc),
-        )
+        amax_t = xf.detach().abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+        ok = torch.isfinite(amax_t) & (amax_t > 0)
+        s_enc = torch.where(ok, (e2m1.max * e4m3.max) / amax_t, torch.ones_like(amax_t))
         blocks, pad = _blocks_last(xf, self.block)
         amax_b = blocks.detach().abs().amax(dim=-1, keepdim=True)
         stored = quantize(amax_b / e2m1.max * s_enc, e4m3, overflow="saturate")
@@ -329,12 +330,10 @@ class NVFP4(Recipe):
         q = q.reshape(*q.shape[:-2], -1)
         if pad:
             q = q[..., : x.shape[-1]]
-        fallbacks = (~(torch.isfinite(amax_t) & (amax_t > 0))).sum()
-        return QuantResult(
-            q.reshape(x.shape).to(x.dtype),
-            torch.stack([s_enc.reshape(()), stored.amax()]),
-            fallbacks,
-        )
+        values = q.reshape(x.shape).to(x.dtype)
+        # scales: the fp32 tensor scale, then every stored e4m3 block scale
+        scales = torch.cat([s_enc.reshape(1), stored.reshape(-1)])
+        return QuantResult(values, scales, (~ok).sum())
 
 
 @dataclass(frozen=True)
