@@ -38,6 +38,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quantize.py
 	$(PY) benchmarks/bench_ops.py
+	$(PY) benchmarks/bench_monitor.py
+	$(PY) benchmarks/bench_guard.py
+	$(PY) benchmarks/bench_fp8_emulation.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -69,3 +69,39 @@ def test_fp16_loss_scaling() -> None:
     # log10(2**-25) = -7.53: about (9 - 7.53) / 6 = 24.5% of log-uniform [1e-9, 1e-3] underflows.
     assert before == pytest.approx(0.245, abs=0.01)
     assert after < 1e-3
+
+
+def test_fp8_outlier_channels_question_1() -> None:
+    out = run("fp8_outlier_channels.py")
+    spread = "100x, ordinary spread over 5 decades"
+    assert float(out[f"{spread} | tensorwise underflow %"]) > 20.0
+    assert float(out[f"{spread} | 1x128 blocks underflow %"]) < 1.0
+    extreme = "1e5x, Gaussian ordinary"
+    gain = float(out[f"{extreme} | 1x128 blocks SQNR dB"]) - float(
+        out[f"{extreme} | tensorwise SQNR dB"]
+    )
+    assert gain >= 10.0
+    # At 100x with Gaussian values the SQNR barely moves: the error is relative.
+    gauss = "100x, Gaussian ordinary"
+    assert (
+        abs(
+            float(out[f"{gauss} | tensorwise SQNR dB"])
+            - float(out[f"{gauss} | 1x128 blocks SQNR dB"])
+        )
+        < 2
+    )
+
+
+def test_attention_scaling_question_2() -> None:
+    out = run("attention_scaling.py")
+    u, s = "unscaled", "scaled by 1/sqrt(d_k)"
+    assert float(out[f"{u} score std"]) > 10 and float(out[f"{s} score std"]) < 1.2
+    assert (
+        float(out[f"{u} mean max probability"])
+        > 0.8
+        > 0.3
+        > float(out[f"{s} mean max probability"])
+    )
+    assert float(out[f"{u} mean entropy nats"]) < 0.5 and float(out[f"{s} mean entropy nats"]) > 3.0
+    key = "rows with vanishing softmax gradient (Jacobian norm < 0.01)"
+    assert float(out[f"{u} {key}"]) > 0.2 and float(out[f"{s} {key}"]) == 0.0

@@ -1,0 +1,79 @@
+"""Precision-readiness audit: structure, numbers against direct quantization, recommendations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from floatguard import audit
+from floatguard.formats import quantize
+
+
+class OutlierNet(nn.Module):
+    """fc2 receives activations with outlier channels spread over decades (as the lesson's
+    question 1); fc1 sees ordinary data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(256, 256)
+        self.fc2 = nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        g = torch.Generator().manual_seed(1)
+        spread = 10 ** (torch.rand(h.shape, generator=g) * 5 - 5)
+        h = h.sign() * spread
+        h = h * torch.where(torch.arange(256) < 1, 100.0, 1.0)
+        return self.fc2(h)
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(64, 256, generator=g) for _ in range(2)]
+
+
+def test_audit_numbers_and_recommendations() -> None:
+    torch.manual_seed(0)
+    model = OutlierNet()
+    report = audit(model, batches())
+    assert [la.layer for la in report.layers] == ["fc1", "fc2"]
+    fc2 = report["fc2"]
+    act = fc2.results["activation"]
+    # amax against the activations themselves
+    with torch.no_grad():
+        hs = []
+        model.fc2.register_forward_hook(lambda m, a, o: hs.append(a[0]))
+        for b in batches():
+            model(b)
+    h = torch.cat(hs)
+    assert act["amax"] == pytest.approx(float(h.abs().max()), rel=1e-6)
+    under = float(((quantize(h, "fp16") == 0) & (h != 0)).float().mean())
+    assert act["format:fp16"]["underflow"] == pytest.approx(under, abs=1e-6)
+    assert act["recipe:e4m3 tensorwise"]["underflow"] > 0.2
+    assert act["recipe:e4m3 block 1x128"]["underflow"] < 0.02
+    text = " ".join(fc2.recommendation)
+    assert "use block scaling" in text and "bf16" in text
+    assert "tensor-wise is enough" in " ".join(report["fc1"].recommendation)
+    assert all(k in fc2.results for k in ("activation", "weight", "gradient"))
+    assert all(p.grad is None for p in model.parameters())  # gradients left as they were
+    json.dumps(report.to_dict(), default=lambda v: None if not math.isfinite(v) else v)
+
+
+def test_fp16_loss_scale_recommendation() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+    report = audit(model, [torch.randn(32, 16)], loss_fn=lambda m, b: m(b).mean() * 1e-7,
+                   formats=("fp16", "bf16"), recipes={})  # fmt: skip
+    rec = " ".join(report["1"].recommendation)
+    assert "fp16 needs a loss scale >= 2^" in rec
+
+
+def test_audit_errors() -> None:
+    with pytest.raises(ValueError, match="no module of types"):
+        audit(nn.ReLU(), [torch.ones(2)])
+    with pytest.raises(ValueError, match="unknown format"):
+        audit(nn.Linear(2, 2), [torch.ones(2)], formats=("fp9",))
