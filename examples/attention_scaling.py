@@ -26,9 +26,7 @@ for name, scale in [("unscaled", 1.0), ("scaled by 1/sqrt(d_k)", 1 / math.sqrt(d
     print(f"{name} score std: {float((q @ k.T * scale).std()):.2f}")
     print(f"{name} mean max probability: {float(p.max(-1).values.mean()):.3f}")
     print(f"{name} mean entropy nats: {float(entropy.mean()):.3f}")
-    print(
-        f"{name} rows with max probability > 0.99: {float((p.max(-1).values > 0.99).float().mean()):.3f}"
-    )
-    print(
-        f"{name} rows with vanishing softmax gradient (Jacobian norm < 0.01): {float((jac < 0.01).float().mean()):.3f}"
-    )
+    one_hot = float((p.max(-1).values > 0.99).float().mean())
+    vanishing = float((jac < 0.01).float().mean())
+    print(f"{name} rows with max probability > 0.99: {one_hot:.3f}")
+    print(f"{name} rows with vanishing softmax gradient (Jacobian norm < 0.01): {vanishing:.3f}")

@@ -80,7 +80,7 @@ def test_accumulation_emulation() -> None:
 def test_bad_emulate_arguments() -> None:
     with pytest.raises(TypeError, match="EmulationRecipe"):
         emulate(nn.Linear(2, 2), Tensorwise())  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="only nn.Linear"):
+    with pytest.raises(ValueError, match=r"only nn.Linear"):
         emulate(nn.Linear(2, 2), EmulationRecipe.mxfp8(), modules=(nn.Conv1d,))
 
 
