@@ -229,3 +229,9 @@ def test_metrics() -> None:
     m = quant_metrics(x, q, "e4m3fn")
     assert m["underflow_pct"] == 25.0 and m["overflow_pct"] == 25.0
     assert m["sqnr_db"] > 10 and 0 < m["rel_error"] < 1
+    # In the scaled domain of a tensor-wise recipe: nothing overflows, small values go subnormal.
+    y = torch.tensor([448.0 * 4, 1.0, 1e-2, -2.0])
+    r = Tensorwise("e4m3fn")(y)
+    ms = quant_metrics(y, r.values, "e4m3fn", scale=r.scales)
+    assert ms["overflow_pct"] == 0.0 and ms["subnormal_pct"] == 25.0  # 1e-2 * 0.25: subnormal
+    assert quant_metrics(y, r.values, "e4m3fn")["overflow_pct"] == 25.0  # unscaled view

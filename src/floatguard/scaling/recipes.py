@@ -93,33 +93,44 @@ def _fq(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def quant_metrics(
-    x: torch.Tensor, q: torch.Tensor, fmt: str | Format | None = None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    fmt: str | Format | None = None,
+    *,
+    scale: torch.Tensor | float | None = None,
 ) -> dict[str, float]:
-    """SQNR (dB), relative error, and the overflow / underflow / subnormal shares (%) of a
-    quantization ``x -> q``. Underflow counts non-zero values flushed to zero; overflow
-    values that came back with a smaller magnitude clamped at the format's max (needs
-    ``fmt``); subnormal counts values stored as subnormals of ``fmt`` (after scaling is
-    not visible here, so it is measured on ``q`` against ``fmt`` only for unscaled use).
-    Reads the result on the host."""
-    xf, qf = x.detach().double().reshape(-1), q.detach().double().reshape(-1)
+    """SQNR (dB), relative error and the overflow / underflow / subnormal shares (%) of a
+    quantization ``x -> q`` (over the finite elements of x).
+
+    Underflow counts non-zero values that came back as zero. Overflow and subnormal
+    shares need the format, and are measured where the format sees the values: on
+    ``x * scale`` and ``q * scale`` when a ``scale`` broadcastable to x is given (the
+    scales of :class:`Tensorwise` and :class:`Rowwise`), else on x and q themselves.
+    Reads the result on the host.
+    """
+    xf, qf = x.detach().double(), q.detach().double()
+    if scale is not None:
+        sc = torch.as_tensor(scale, dtype=torch.float64, device=xf.device)
+        xs, qs = xf * sc, qf * sc
+    else:
+        xs, qs = xf, qf
     finite = torch.isfinite(xf)
-    xf, qf = xf[finite], qf[finite]
+    xf, qf, xs, qs = xf[finite], qf[finite], xs[finite], qs[finite]
     noise = ((xf - qf) ** 2).sum()
     signal = (xf**2).sum()
     sqnr = float(10 * torch.log10(signal / noise)) if float(noise) > 0 else math.inf
     n = max(xf.numel(), 1)
-    nz = xf != 0
     out = {
         "sqnr_db": sqnr,
         "rel_error": float(torch.sqrt(noise / signal)) if float(signal) > 0 else 0.0,
-        "underflow_pct": 100.0 * float((nz & (qf == 0)).sum()) / n,
+        "underflow_pct": 100.0 * float(((xf != 0) & (qf == 0)).sum()) / n,
         "overflow_pct": 0.0,
         "subnormal_pct": 0.0,
     }
     if fmt is not None:
         f = get(fmt)
-        out["overflow_pct"] = 100.0 * float((xf.abs() > f.max).sum()) / n
-        out["subnormal_pct"] = 100.0 * float(((qf != 0) & (qf.abs() < f.tiny)).sum()) / n
+        out["overflow_pct"] = 100.0 * float((xs.abs() > f.max).sum()) / n
+        out["subnormal_pct"] = 100.0 * float(((qs != 0) & (qs.abs() < f.tiny)).sum()) / n
     return out
 
 
