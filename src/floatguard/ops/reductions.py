@@ -103,6 +103,19 @@ class Moments:
         return torch.sqrt(self.var(correction))
 
 
+def _reduced_last(
+    x: torch.Tensor, dim: int | tuple[int, ...] | None, dtype: torch.dtype | None, op: str
+) -> torch.Tensor:
+    """x (in ``dtype``) with the reduced dims moved last and flattened into one."""
+    check_float(x, "x", op)
+    dims = _dims(x, dim, op)
+    xs = x.to(dtype) if dtype is not None else x
+    if not dims:
+        return xs.unsqueeze(-1)
+    keep = [d for d in range(xs.dim()) if d not in dims]
+    return xs.permute(*keep, *dims).reshape(*[xs.shape[d] for d in keep], -1)
+
+
 def pairwise_sum(
     x: torch.Tensor, dim: int | tuple[int, ...] | None = None, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -111,14 +124,8 @@ def pairwise_sum(
     Accumulates in ``dtype`` (default: x's own dtype, so the gain is visible at
     that precision). Differentiable.
     """
-    check_float(x, "x", "pairwise_sum")
-    dims = _dims(x, dim, "pairwise_sum")
-    xs = x.to(dtype) if dtype is not None else x
-    if not dims:
-        return xs.clone()
-    keep = [d for d in range(xs.dim()) if d not in dims]
-    y = xs.permute(*keep, *dims).reshape(*[xs.shape[d] for d in keep], -1)
-    if y.shape[-1] == 0:
+    y = _reduced_last(x, dim, dtype, "pairwise_sum")
+    if y.shape[-1] <= 1:
         return y.sum(dim=-1)
     while y.shape[-1] > 1:
         if y.shape[-1] % 2:
@@ -152,15 +159,9 @@ def compensated_sum(
     sums and compensations are combined by a second Neumaier pass, so the Python
     loop is O(sqrt(n)) steps. inf and NaN propagate. Differentiable.
     """
-    check_float(x, "x", "compensated_sum")
-    dims = _dims(x, dim, "compensated_sum")
-    xs = x.to(dtype) if dtype is not None else x
-    if not dims:
-        return xs.clone()
-    keep = [d for d in range(xs.dim()) if d not in dims]
-    y = xs.permute(*keep, *dims).reshape(*[xs.shape[d] for d in keep], -1)
+    y = _reduced_last(x, dim, dtype, "compensated_sum")
     n = y.shape[-1]
-    if n == 0:
+    if n <= 1:
         return y.sum(dim=-1)
     lanes = max(1, math.isqrt(n))
     steps = -(-n // lanes)

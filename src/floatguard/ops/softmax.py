@@ -45,40 +45,33 @@ def _shifted(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return z, m, torch.exp(z).sum(dim=dim, keepdim=True)
 
 
-def softmax(x: torch.Tensor, dim: int = -1, *, empty_rows: EmptyRows = "zero") -> torch.Tensor:
-    """Numerically stable softmax along ``dim``; all ``-inf`` rows give zeros (or NaN)."""
-    check_float(x, "x", "softmax")
-    _check_empty_rows(empty_rows, "softmax")
+def _normalized(x: torch.Tensor, dim: int, empty_rows: str, op: str, log: bool) -> torch.Tensor:
+    """Shared body of softmax (``log=False``) and log_softmax (``log=True``)."""
+    check_float(x, "x", op)
+    _check_empty_rows(empty_rows, op)
     if x.numel() == 0:
         return x.clone()
-    d = check_dim(x, dim, "softmax")
+    d = check_dim(x, dim, op)
     xf = x.to(acc_dtype(x.dtype))
     if xf.dim() == 0:
         xf = xf.reshape(1)
     z, _, s = _shifted(xf, d)
     has_mass = s != 0  # NaN rows count as having mass, so NaN propagates
-    y = torch.exp(z) / torch.where(has_mass, s, torch.ones_like(s))
+    safe_s = torch.where(has_mass, s, torch.ones_like(s))
+    y = z - torch.log(safe_s) if log else torch.exp(z) / safe_s
     if empty_rows == "nan":
         y = torch.where(has_mass, y, torch.full_like(y, math.nan))
     return y.reshape(x.shape).to(x.dtype)
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, empty_rows: EmptyRows = "zero") -> torch.Tensor:
+    """Numerically stable softmax along ``dim``; all ``-inf`` rows give zeros (or NaN)."""
+    return _normalized(x, dim, empty_rows, "softmax", log=False)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, empty_rows: EmptyRows = "zero") -> torch.Tensor:
     """Stable ``x - logsumexp(x)`` along ``dim``; all ``-inf`` rows give ``-inf`` (or NaN)."""
-    check_float(x, "x", "log_softmax")
-    _check_empty_rows(empty_rows, "log_softmax")
-    if x.numel() == 0:
-        return x.clone()
-    d = check_dim(x, dim, "log_softmax")
-    xf = x.to(acc_dtype(x.dtype))
-    if xf.dim() == 0:
-        xf = xf.reshape(1)
-    z, _, s = _shifted(xf, d)
-    has_mass = s != 0  # NaN rows count as having mass, so NaN propagates
-    y = z - torch.log(torch.where(has_mass, s, torch.ones_like(s)))
-    if empty_rows == "nan":
-        y = torch.where(has_mass, y, torch.full_like(y, math.nan))
-    return y.reshape(x.shape).to(x.dtype)
+    return _normalized(x, dim, empty_rows, "log_softmax", log=True)
 
 
 def logsumexp(
