@@ -99,6 +99,10 @@ class Guard:
         monitor: watch the model with a sentinel :class:`Monitor` (default True); on
             a fault the step's event names where it was born.
         log: a JSONL path for the event stream (events are kept in memory too).
+        distributed: all-reduce the step's decision numbers (overflow flag, loss,
+            gradient norm) over ``process_group`` so every rank skips, applies or rolls
+            back together (default: when torch.distributed is initialized). Losses are
+            averaged over ranks for spike detection; a NaN on any rank is seen by all.
 
     The guard zeroes the gradients at the end of every step.
     """
@@ -116,6 +120,8 @@ class Guard:
         scaler: DynamicLossScaler | None = None,
         monitor: bool = True,
         log: str | os.PathLike[str] | None = None,
+        distributed: bool | None = None,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Guard needs an nn.Module, got {type(model).__name__}")
@@ -139,6 +145,12 @@ class Guard:
                 f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
                 "the guard expects one device"
             )
+        if distributed is None:
+            import torch.distributed as dist
+
+            distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = bool(distributed)
+        self.process_group = process_group
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -217,6 +229,14 @@ class Guard:
         elif grads:
             clip_grad_value_(params, self.clip.max_value)
         small = torch.stack([found.float(), norm, self._loss.float().reshape(()).to(dev), coef])
+        if self.distributed:
+            # Every rank must take the same decision: one all-reduce of the 4 numbers
+            # (asynchronous on NCCL, so still no extra host sync). Flags > 0 on any rank
+            # stay > 0; NaN on any rank stays NaN; loss and norm become their means.
+            import torch.distributed as dist
+
+            dist.all_reduce(small, op=dist.ReduceOp.SUM, group=self.process_group)
+            small = small / dist.get_world_size(self.process_group)
         packed_mon = self.monitor._sentinel.packed() if self.monitor is not None else None
         if packed_mon is not None:
             lo, hi = packed_mon
