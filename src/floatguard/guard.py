@@ -10,8 +10,9 @@ for batch in loader:
 ```
 
 One step reads the device exactly once: a small packed tensor (overflow flag,
-gradient norm, loss, clip coefficient, scale, and the monitor's per-tensor
-records) is copied to the host, and every decision is made from it.
+gradient norm, loss, clip coefficient, and the monitor's per-tensor records) is
+copied to the host, and every decision is made from it. Only on a step that
+overflows in fp16 does the loss scaler read more, to report which parameter.
 """
 
 from __future__ import annotations

@@ -43,18 +43,14 @@ class Sentinel:
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self._mins:
             return None
-        # Group by (device, dtype) so each group stacks in one op, then cast to float32
-        # (every float's min/max, inf and NaN survive that cast).
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, t in enumerate(self._mins):
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        device = self._mins[0].device
-        lo = torch.empty(len(self._mins), dtype=torch.float32, device=device)
-        hi = torch.empty_like(lo)
-        for (_dev, _dt), idx in groups.items():
-            index = torch.tensor(idx, device=device)
-            lo[index] = torch.stack([self._mins[i] for i in idx]).float().to(device)
-            hi[index] = torch.stack([self._maxs[i] for i in idx]).float().to(device)
+        dtypes = {t.dtype for t in self._mins}
+        if len(dtypes) == 1:
+            lo, hi = torch.stack(self._mins), torch.stack(self._maxs)
+            return lo.to(torch.float32), hi.to(torch.float32)
+        # Mixed dtypes (autocast): cast each scalar to float32 first (every float's
+        # min/max, inf and NaN survive the cast). Kernels only, no host round trip.
+        lo = torch.stack([t.to(torch.float32) for t in self._mins])
+        hi = torch.stack([t.to(torch.float32) for t in self._maxs])
         return lo, hi
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
