@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from floatguard.formats.quantize import quantize
@@ -196,8 +195,3 @@ def restore(model: nn.Module) -> list[str]:
             setattr(parent, child, module.original[0])
             names.append(name)
     return names
-
-
-def linear_emulated(x: torch.Tensor, weight: torch.Tensor, recipe: EmulationRecipe) -> torch.Tensor:
-    """Functional form: ``F.linear`` of fake-quantized operands (no bias)."""
-    return F.linear(fake_quant(x, recipe.activation), fake_quant(weight, recipe.weight))

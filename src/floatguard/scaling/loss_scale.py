@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -201,12 +200,3 @@ class DynamicLossScaler:
         self.dynamic = bool(state["dynamic"])
         self._step = int(state.get("step", 0))
         self._unscaled = False
-
-
-def grads_nonfinite(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Device bool: any gradient of ``params`` non-finite (one foreach norm, no sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.bool)
-    norms = torch._foreach_norm(grads, 2.0)
-    return ~torch.isfinite(torch.stack(norms)).all()
