@@ -10,10 +10,6 @@ import torch
 __all__ = ["DynamicLossScaler"]
 
 
-def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-
 class DynamicLossScaler:
     """Loss scaling for fp16: multiply the loss by ``scale`` so small gradients survive,
     unscale the gradients before the optimizer, and adapt ``scale`` to overflows.
