@@ -25,8 +25,10 @@ def sample() -> torch.Tensor:
     return x
 
 
-def test_counts_and_extremes() -> None:
-    x = sample()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_counts_and_extremes(dtype: torch.dtype) -> None:
+    """float32 takes the bit-pattern fast path, float64 the generic one: same answers."""
+    x = sample().to(dtype)
     s = tensor_stats(x)
     finite = x[torch.isfinite(x)]
     nz = finite[finite != 0]

@@ -156,6 +156,52 @@ class TensorStats:
         )
 
 
+def _count(idx: torch.Tensor, size: int) -> torch.Tensor:
+    """Histogram of non-negative int64 ``idx`` into ``size`` bins, without a device sync."""
+    if idx.device.type == "cpu":
+        return torch.bincount(idx, minlength=size)[:size]
+    # bincount sizes its output from max(idx): a device sync; scatter_add does not.
+    return torch.zeros(size, dtype=torch.int64, device=idx.device).scatter_add_(
+        0, idx, torch.ones_like(idx)
+    )
+
+
+def _stats_f32(xf: torch.Tensor, numel: torch.Tensor) -> TensorStats:
+    """float32 fast path: everything from the bit pattern, one histogram for all counts.
+
+    With ``ab`` the bits of |x| as an int: the exponent field is ``ab >> 23`` (255 for
+    inf/NaN, 0 for zero and subnormals); a subnormal's exponent is that of its mantissa
+    read as an integer (exact in float32) minus 149. Bits of non-negative floats sort
+    like their values, so amax and min_nonzero are integer reductions.
+    """
+    b = xf.view(torch.int32)
+    ab = b & 0x7FFFFFFF
+    field = ab >> 23
+    # key: 0 for zeros; 127 + bin for finite non-zero values; 404 for inf and NaN.
+    sub_key = ab.to(torch.float32).view(torch.int32) >> 23
+    key = torch.where(field == 0, sub_key, field + 149)
+    counts = _count(key.to(torch.int64), 405)
+    nan = (ab > 0x7F800000).sum()
+    posinf = (b == 0x7F800000).sum()
+    finite = field < 255
+    ab_fin = torch.where(finite, ab, 0)
+    amax = ab_fin.amax().view(torch.float32)
+    min_nz = torch.where(ab_fin > 0, ab_fin, 0x7F800000).amin().view(torch.float32)
+    f64 = torch.float64
+    return TensorStats(
+        numel=numel,
+        nan=nan,
+        posinf=posinf,
+        neginf=counts[404] - nan - posinf,
+        zeros=counts[0],
+        amax=amax.to(f64),
+        min_nonzero=min_nz.to(f64),
+        min=torch.where(finite, xf, math.inf).amin().to(f64),
+        max=torch.where(finite, xf, -math.inf).amax().to(f64),
+        hist=counts[127:404],
+    )
+
+
 def tensor_stats(x: torch.Tensor) -> TensorStats:
     """Read ``x`` into a :class:`TensorStats` on its device, without a host sync.
 
@@ -182,6 +228,8 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
             torch.full((), -math.inf, dtype=torch.float64, device=dev),
             torch.zeros(_NBINS, dtype=i64, device=dev),
         )  # fmt: skip
+    if xf.dtype == torch.float32:
+        return _stats_f32(xf, numel)
     a = xf.abs()
     nan_m = torch.isnan(xf)
     inf_m = a == math.inf
@@ -193,12 +241,7 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
     # floor(log2|x|) = frexp exponent - 1; non-finite and zero go to an overflow bin.
     idx = (e.to(i64) - 1 - EXP_MIN).clamp_(0, _NBINS - 1)
     idx = torch.where(nonzero, idx, _NBINS)
-    if dev.type == "cpu":
-        hist = torch.bincount(idx, minlength=_NBINS + 1)[:_NBINS]
-    else:  # bincount sizes its output from max(idx): a device sync; scatter_add does not
-        hist = torch.zeros(_NBINS + 1, dtype=i64, device=dev).scatter_add_(
-            0, idx, torch.ones_like(idx)
-        )[:_NBINS]
+    hist = _count(idx, _NBINS + 1)[:_NBINS]
     return TensorStats(
         numel=numel,
         nan=nan_m.sum(),
