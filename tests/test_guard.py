@@ -248,3 +248,28 @@ def test_bad_input() -> None:
         meta.bias = nn.Parameter(torch.zeros(2, device="meta"))
         with pytest.raises(ValueError, match="several devices"):
             Guard(meta, torch.optim.SGD(meta.parameters(), lr=0.1))
+
+
+def test_gradient_accumulation_keeps_every_micro_batch_visible() -> None:
+    model, opt = make()
+    guard = Guard(model, opt, spikes=SpikePolicy(watch_loss=False))
+    data = batches(4)
+    for i in range(2):  # two optimizer steps of two micro-batches each
+        losses = []
+        for j in range(2):
+            x, y = data[2 * i + j]
+            if i == 1 and j == 0:
+                x = x.clone()
+                x[0, 0] = math.nan  # NaN in the first micro-batch of step 1
+            loss = ((model(x) - y) ** 2).mean() / 2
+            losses.append(float(loss.detach()))
+            guard.backward(loss)
+        r = guard.step()
+        if i == 0:
+            assert r.action == "applied"
+            assert r.loss == pytest.approx(sum(losses) / 2, rel=1e-6)  # the mean loss
+        else:
+            # The NaN was in the first micro-batch; the monitor still names it.
+            assert r.action == "skipped" and r.fault is not None
+            assert (r.fault.phase, r.fault.tensor) == ("input", "input[0]")
+    guard.close()

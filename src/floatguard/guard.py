@@ -168,7 +168,9 @@ class Guard:
         self.zclip = ZClip(self.clip.zclip) if self.clip.kind == "zclip" else None
         self.loss_detector = _Detector(self.spikes) if self.spikes.watch_loss else None
         self.norm_detector = _Detector(self.spikes) if self.spikes.watch_grad_norm else None
-        self.monitor = Monitor(model).attach() if monitor else None
+        # The guard starts the monitor's steps itself, so records of every micro-batch
+        # of an accumulated step are there when the step is decided.
+        self.monitor = Monitor(model, auto_step=False).attach() if monitor else None
         self.events = EventLog(log)
         self.step_count = 0
         self.good_steps = 0
@@ -179,6 +181,7 @@ class Guard:
         self._lr_recover_from: float | None = None
         self._lr_recover_step = 0
         self._loss: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
         self._snapshot: Snapshot | None = None
         self._take_snapshot()
 
@@ -194,12 +197,19 @@ class Guard:
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of the (scaled, for fp16) loss; the loss is kept for the step's decision."""
+        """Backward of the (scaled, for fp16) loss; the loss is kept for the step's decision.
+
+        May be called several times before :meth:`step` (gradient accumulation): the
+        gradients add up as usual and the step is decided on the mean loss.
+        """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("Guard.backward needs a scalar loss tensor")
         if self.monitor is not None:
             self.monitor.check_loss(loss)
-        self._loss = loss.detach()
+        # Several backward() calls before one step() (gradient accumulation): the step
+        # is decided on the mean of their losses (device ops, no sync).
+        self._losses.append(loss.detach().float().reshape(()))
+        self._loss = torch.stack(self._losses).mean()
         target = self.scaler.scale(loss) if self.scaler.enabled else loss
         target.backward()  # type: ignore[no-untyped-call]
 
@@ -301,6 +311,7 @@ class Guard:
                 action = self._escalate(step)
         self.optimizer.zero_grad(set_to_none=True)
         self._loss = None
+        self._losses = []
         if self.monitor is not None:
             self.monitor.next_step()
         result = StepResult(

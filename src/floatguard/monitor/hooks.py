@@ -67,7 +67,8 @@ class Monitor:
     (or a no-grad forward), or when you call :meth:`next_step`. For gradient
     accumulation (several forwards before one backward) that is automatic; for
     several forward+backward micro-batches per optimizer step, call
-    ``next_step()`` yourself or read the result after each micro-batch.
+    ``next_step()`` yourself (with ``auto_step=False``, only ``next_step()`` starts a
+    step: the guard drives the monitor that way) or read after each micro-batch.
 
     Reading: :attr:`found_nonfinite` is a device bool (no sync);
     :attr:`first_nonfinite`, :attr:`faults` and :attr:`alerts` read the records
@@ -81,6 +82,7 @@ class Monitor:
         mode: Mode = "sentinel",
         every: int = 1,
         formats: Sequence[str] = ("fp16", "bf16", "e4m3fn", "e5m2"),
+        auto_step: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module, got {type(model).__name__}")
@@ -92,6 +94,7 @@ class Monitor:
         self.model = model
         self.mode: Mode = mode
         self.every = every
+        self.auto_step = auto_step
         self.step = 0
         self._names = {id(m): n for n, m in model.named_modules()}
         self._handles: list[RemovableHandle] = []
@@ -197,7 +200,7 @@ class Monitor:
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if is_root and not self._stack:
-                if self._backward_seen or not self._last_forward_grad:
+                if self.auto_step and (self._backward_seen or not self._last_forward_grad):
                     self.next_step()
                 self._last_forward_grad = torch.is_grad_enabled()
             self._stack.append(name)
