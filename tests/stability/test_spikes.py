@@ -51,8 +51,9 @@ def test_lesson_trace_reproduced(threshold: float, patience: int) -> None:
     trace_l = [lesson.check_spike(v) for v in _losses()]
     trace_o = [ours.check(v) for v in _losses()]
     assert trace_o == trace_l
-    if threshold < 3:
-        assert any(ours.last_is_spike for _ in [0]) or any(trace_o) or patience > 1
+    if (threshold, patience) == (2.0, 1):
+        # The injected +0.3 jumps are found (so the comparison is not all-False).
+        assert sum(trace_o) >= 4
 
 
 def test_lesson_default_can_never_fire() -> None:
