@@ -330,3 +330,24 @@ def test_properties_idempotent_monotone_bracketed(xs: list[float], name: str) ->
     if not fmt.has_zero:
         both &= xd >= fmt.tiny  # e8m0: nothing below 2**-127 to round down to
     assert bool(((qd - xd).abs() <= (up - down).abs() / 2)[both].all())
+
+
+def test_tf32_matches_a_float64_reference(
+    random_f32: torch.Tensor, scaled_f32: torch.Tensor
+) -> None:
+    """tf32 (8-bit exponent, 10-bit mantissa): round to nearest even at 2**(e - 10), with
+    e clamped at -126 (subnormals), computed exactly in float64 by numpy."""
+    import numpy as np
+
+    x = torch.cat([random_f32[:200_000], scaled_f32]).double().numpy()
+    fmt = FORMATS["tf32"]
+    with np.errstate(all="ignore"):
+        e = np.floor(np.log2(np.abs(x)))
+        e = np.where(np.isfinite(e), np.maximum(e, -126), -126)
+        q = np.exp2(e - 10)
+        ref = np.round(x / q) * q  # numpy rounds half to even
+        ref = np.where(np.abs(ref) > fmt.max, np.copysign(np.inf, x), ref)
+        ref = np.where(np.isinf(x), x, ref)
+    got = quantize(torch.from_numpy(x).float(), "tf32").double().numpy()
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    assert bool(same.all()), x[~same][:5]
