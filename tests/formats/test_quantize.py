@@ -351,3 +351,16 @@ def test_tf32_matches_a_float64_reference(
     got = quantize(torch.from_numpy(x).float(), "tf32").double().numpy()
     same = (got == ref) | (np.isnan(got) & np.isnan(ref))
     assert bool(same.all()), x[~same][:5]
+
+
+def test_fp32_of_float64_inputs_equals_ieee_conversion() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300_000, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-160, 140, (300_000,), generator=g).double()
+    )
+    x = torch.cat(
+        [x, torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 3.4028235677973366e38])]
+    )
+    got = quantize(x, "fp32")
+    ref = x.float().double()  # IEEE round-to-nearest-even, subnormals and overflow included
+    assert bool(same_bits(got, ref).all())
