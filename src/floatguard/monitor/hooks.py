@@ -12,6 +12,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from floatguard.formats.registry import get
+from floatguard.monitor.bounds import (
+    PROVABLE_DTYPES,
+    Rule,
+    backward_rule,
+    forward_rule,
+    provable_type,
+    rule_params,
+)
 from floatguard.monitor.localize import Alert, Fault, Record, RecordKind, localize
 from floatguard.monitor.sentinel import Sentinel
 from floatguard.stats import TensorStats, tensor_stats
@@ -37,6 +45,28 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from _walk(getattr(obj, f.name), f"{prefix}.{f.name}")
+
+
+@dataclasses.dataclass
+class _Frame:
+    """One call of a module whose output (and input gradient) may be proved finite."""
+
+    module: nn.Module
+    x: torch.dtype | None  # dtype of the one floating input (None for an embedding)
+    width: int  # its last dimension
+    deps: list[int]  # slots: the input (if any), then the rule's parameters
+    g_slot: int | None = None  # slot of the gradient that arrived at the output
+
+
+def _autocast_fp16(t: torch.Tensor) -> bool:
+    dev = t.device.type
+    try:
+        return bool(torch.is_autocast_enabled(dev)) and torch.get_autocast_dtype(dev) not in (
+            torch.bfloat16,
+            torch.float32,
+        )
+    except (TypeError, RuntimeError, AttributeError):  # torch < 2.4 spellings: be safe
+        return True
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -83,6 +113,7 @@ class Monitor:
         every: int = 1,
         formats: Sequence[str] = ("fp16", "bf16", "e4m3fn", "e5m2"),
         auto_step: bool = True,
+        proofs: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module, got {type(model).__name__}")
@@ -102,7 +133,8 @@ class Monitor:
         self._records: list[Record] = []
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self._hooked: dict[
-            int, tuple[weakref.ref[torch.Tensor], list[tuple[tuple[str, ...], str]]]
+            int,
+            tuple[weakref.ref[torch.Tensor], list[tuple[tuple[str, ...], str]], list[_Frame]],
         ] = {}
         self._stack: list[str] = []
         self._backward_seen = False
@@ -110,6 +142,9 @@ class Monitor:
         self._analysis: list[Fault] | None = None
         self._last_grad: tuple[torch.Tensor, tuple[Any, ...], int] | None = None
         self._slot_stats: dict[int, TensorStats] = {}
+        self.proofs = proofs
+        self._frames: list[_Frame | None] = []
+        self._provable = {id(m) for m in model.modules() if provable_type(m)}
 
     # ---------------------------------------------------------------- wiring
     @property
@@ -142,6 +177,7 @@ class Monitor:
             h.remove()
         self._handles.clear()
         self._stack.clear()
+        self._frames.clear()
 
     def __enter__(self) -> Monitor:
         return self.attach()
@@ -173,30 +209,51 @@ class Monitor:
         return self.mode == "stats" and self.step % self.every == 0
 
     # --------------------------------------------------------------- records
-    def _add(self, kind: RecordKind, path: tuple[str, ...], role: str, t: torch.Tensor) -> Record:
-        rec = Record(kind, [(path, role)], self._sentinel.add(t), tuple(t.shape))
-        if self._stats_on():
+    def _add(
+        self,
+        kind: RecordKind,
+        path: tuple[str, ...],
+        role: str,
+        t: torch.Tensor,
+        proof: tuple[Rule, list[int]] | None = None,
+    ) -> Record:
+        stats_on = self._stats_on()
+        if proof is not None and not stats_on:
+            slot = self._sentinel.prove(t, proof[0], proof[1])
+        else:
+            slot = self._sentinel.add(t)
+        rec = Record(kind, [(path, role)], slot, tuple(t.shape))
+        if stats_on:
             rec.stats = self._slot_stats[rec.slot] = tensor_stats(t)
         self._records.append(rec)
         self._analysis = None
         return rec
 
     def _add_forward(
-        self, kind: RecordKind, path: tuple[str, ...], role: str, t: torch.Tensor
-    ) -> None:
+        self,
+        kind: RecordKind,
+        path: tuple[str, ...],
+        role: str,
+        t: torch.Tensor,
+        proof: tuple[Rule, list[int]] | None = None,
+    ) -> int:
         key = id(t)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             # Already checked this step (e.g. the previous module's output): alias it.
             stats = self._slot_stats.get(hit[2])
             self._records.append(Record(kind, [(path, role)], hit[2], tuple(t.shape), stats))
-            return
-        rec = self._add(kind, path, role, t)
+            return hit[2]
+        rec = self._add(kind, path, role, t, proof)
         self._seen[key] = (weakref.ref(t), t._version, rec.slot)
+        return rec.slot
 
     def _pre_hook(self, name: str, module: nn.Module) -> Callable[..., Any]:
         params = [(f"param:{n}", p) for n, p in module.named_parameters(recurse=False)]
         is_root = module is self.model
+        provable = id(module) in self._provable
+        is_embedding = type(module) is nn.Embedding
+        rule_pnames = rule_params(module) if provable else []
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if is_root and not self._stack:
@@ -205,16 +262,35 @@ class Monitor:
                 self._last_forward_grad = torch.is_grad_enabled()
             self._stack.append(name)
             path = tuple(self._stack)
-            for role, t in _walk(args, "input"):
-                self._add_forward("fwd_input", path, role, t)
+            inputs = list(_walk(args, "input"))
             if kwargs:
-                for role, t in _walk(kwargs, "input"):
-                    self._add_forward("fwd_input", path, role, t)
-            for role, p in params:
-                self._add_forward("fwd_param", path, role, p)
+                inputs += list(_walk(kwargs, "input"))
+            slots = [self._add_forward("fwd_input", path, role, t) for role, t in inputs]
+            pslots = {role: self._add_forward("fwd_param", path, role, p) for role, p in params}
+            frame: _Frame | None = None
+            if provable and self.proofs and len(inputs) <= 1:
+                x = inputs[0][1] if inputs else None
+                if (
+                    (x is None) == is_embedding
+                    and (x is None or (x.dtype in PROVABLE_DTYPES and not _autocast_fp16(x)))
+                    and all(p.dtype in PROVABLE_DTYPES for _, p in params)
+                ):
+                    deps = slots + [pslots["param:" + n] for n in rule_pnames]
+                    frame = _Frame(
+                        mod,
+                        None if x is None else x.dtype,
+                        x.shape[-1] if x is not None and x.dim() else 1,
+                        deps,
+                    )
+            if getattr(mod, "inplace", False) is True:
+                # It will overwrite its input: a proof of that input must read it now.
+                for slot in slots:
+                    self._sentinel.materialize(slot)
+            self._frames.append(frame)
             if not torch.is_grad_enabled():
                 return None
             counter = [0]
+            x = inputs[0][1] if frame is not None and inputs else None
 
             def watch(t: torch.Tensor) -> torch.Tensor:
                 i = counter[0]
@@ -224,7 +300,9 @@ class Monitor:
                 # A view gives this module its own autograd edge: the hook sees exactly
                 # the gradient this module sends back to its input.
                 v = t.view_as(t)
-                hook = self._grad_hook("bwd_grad_input", [(path, f"grad_input[{i}]")])
+                hook = self._grad_hook(
+                    "bwd_grad_input", [(path, f"grad_input[{i}]")], frame if t is x else None
+                )
                 v.register_hook(hook)  # type: ignore[no-untyped-call]
                 return v
 
@@ -236,29 +314,44 @@ class Monitor:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             on_top = bool(self._stack) and self._stack[-1] == name
             path = tuple(self._stack) if on_top else (name,)
+            frame = self._frames[-1] if on_top and self._frames else None
             grad = torch.is_grad_enabled()
+            proof: tuple[Rule, list[int]] | None = None
+            if frame is not None and isinstance(output, torch.Tensor):
+                if output.dtype in PROVABLE_DTYPES:
+                    rule = forward_rule(module, frame.x, output)
+                    if rule is not None:
+                        proof = (rule, frame.deps)
             # A lone tensor is output[0], like the first element of a tuple.
             outs = _walk((output,) if isinstance(output, torch.Tensor) else output, "output")
             for role, t in outs:
-                self._add_forward("fwd_output", path, role, t)
+                self._add_forward("fwd_output", path, role, t, proof)
                 if grad and t.requires_grad:
                     gi_role = "grad_" + role
                     entry = self._hooked.get(id(t))
                     if entry is not None and entry[0]() is t:
                         entry[1].append((path, gi_role))  # a parent returning its child's output
+                        if frame is not None:
+                            entry[2].append(frame)
                     else:
                         roles = [(path, gi_role)]
+                        frames = [frame] if frame is not None else []
                         t.register_hook(  # type: ignore[no-untyped-call]
-                            self._grad_hook("bwd_grad_output", roles)
+                            self._grad_hook("bwd_grad_output", roles, out_frames=frames)
                         )
-                        self._hooked[id(t)] = (weakref.ref(t), roles)
+                        self._hooked[id(t)] = (weakref.ref(t), roles, frames)
             if on_top:
                 self._stack.pop()
+                self._frames.pop()
 
         return hook
 
     def _grad_hook(
-        self, kind: RecordKind, roles: list[tuple[tuple[str, ...], str]]
+        self,
+        kind: RecordKind,
+        roles: list[tuple[tuple[str, ...], str]],
+        frame: _Frame | None = None,
+        out_frames: list[_Frame] | None = None,
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             self._backward_seen = True
@@ -271,13 +364,29 @@ class Monitor:
             key = (grad.data_ptr(), grad.shape, grad.stride(), grad.dtype, grad._version)
             last = self._last_grad
             if last is not None and last[1] == key:
-                rec = Record(kind, roles, last[2], tuple(grad.shape), self._slot_stats.get(last[2]))
-                self._records.append(rec)
+                slot = last[2]
+                self._records.append(
+                    Record(kind, roles, slot, tuple(grad.shape), self._slot_stats.get(slot))
+                )
                 self._analysis = None
-                return
-            rec = self._add(kind, roles[0][0], roles[0][1], grad)
-            rec.paths = roles
-            self._last_grad = (grad, key, rec.slot)
+            else:
+                proof: tuple[Rule, list[int]] | None = None
+                if (
+                    frame is not None
+                    and frame.g_slot is not None
+                    and frame.x is not None
+                    and grad.dtype in PROVABLE_DTYPES
+                ):
+                    rule = backward_rule(frame.module, frame.width, frame.x)
+                    if rule is not None:
+                        proof = (rule, [frame.g_slot, *frame.deps])
+                rec = self._add(kind, roles[0][0], roles[0][1], grad, proof)
+                rec.paths = roles
+                slot = rec.slot
+                self._last_grad = (grad, key, slot)
+            if out_frames:
+                for f in out_frames:
+                    f.g_slot = slot
             return None
 
         return hook

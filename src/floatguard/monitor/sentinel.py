@@ -1,44 +1,107 @@
-"""Device-resident finiteness records: one ``aminmax`` per watched tensor, read once on demand.
+"""Device-resident finiteness records, read once on demand.
 
-``torch.aminmax`` is a single pass that propagates NaN, so a record tells, after
-the fact, whether its tensor held a NaN (min and max are NaN), an inf (min is
--inf or max is +inf, and no NaN) or neither. It is exact for every dtype, unlike
-a sum (which overflows, and turns +inf with -inf into NaN). Records stay on the
-tensor's device; :meth:`Sentinel.flag` folds them into one device bool without a
-host sync, and :meth:`Sentinel.read` moves them to the host in one transfer.
+A record is either a *read* or a *proof*. A read is one ``torch.aminmax`` of the
+tensor: a single pass that propagates NaN, so afterwards it tells whether the
+tensor held a NaN (min and max are NaN), an inf (min is -inf or max is +inf, and
+no NaN) or neither. It is exact for every dtype, unlike a sum (which overflows,
+and turns +inf with -inf into NaN).
+
+A proof reads nothing: it names the records the tensor was computed from and a
+:class:`~floatguard.monitor.bounds.Rule` bounding the tensor from their values
+(see :mod:`floatguard.monitor.bounds`). It keeps a reference to the tensor; when
+the bound does not settle the question (it reaches the format's range, or an
+input was non-finite), the tensor is read then, so every record's verdict is
+exact. Should the tensor have been modified in place before that read, its
+original values are gone and the record is reported as ``"inf"``: the bound
+said it could have overflowed.
+
+:meth:`Sentinel.flag` folds everything into one exact device bool without a host
+sync (it has to read what the proofs kept: without a host read it cannot know which
+proofs settled); :meth:`Sentinel.status_of` / :meth:`Sentinel.read` give the
+verdicts per record and read only the tensors whose proofs did not settle.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["Sentinel"]
+from floatguard.monitor.bounds import DEVICE, HOST, INF, Bound, Rule
+
+__all__ = ["Proof", "Sentinel"]
+
+
+@dataclass
+class Proof:
+    """A record settled by a bound instead of a read."""
+
+    rule: Rule
+    deps: tuple[int, ...]
+    tensor: torch.Tensor
+    version: int
+    limit: float  # largest finite value of the tensor's dtype
+    width: int
 
 
 class Sentinel:
-    """An append-only list of (min, max) device scalars, one pair per record."""
+    """An append-only list of records: (min, max) device scalars or proofs."""
 
     def __init__(self) -> None:
         self._mins: list[torch.Tensor] = []
         self._maxs: list[torch.Tensor] = []
+        self._slots: list[int | Proof] = []  # index into _mins/_maxs, or a proof
+        self._widths: list[int] = []
 
     def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def reads(self) -> int:
+        """How many records were reads (the rest are proofs)."""
         return len(self._mins)
 
     def add(self, t: torch.Tensor) -> int:
-        """Record ``t``; returns the record's index. One kernel, no sync."""
+        """Read ``t`` (one kernel, no sync); returns the record's slot."""
         if t.numel() == 0:
             z = torch.zeros((), dtype=t.dtype, device=t.device)
             lo, hi = z, z
         else:
             lo, hi = torch.aminmax(t.detach())
+        self._slots.append(len(self._mins))
         self._mins.append(lo)
         self._maxs.append(hi)
-        return len(self._mins) - 1
+        self._widths.append(t.shape[-1] if t.dim() else 1)
+        return len(self._slots) - 1
+
+    def prove(self, t: torch.Tensor, rule: Rule, deps: Sequence[int]) -> int:
+        """Record ``t`` by a proof from earlier records ``deps``; reads nothing."""
+        width = t.shape[-1] if t.dim() else 1
+        limit = float(torch.finfo(t.dtype).max)
+        self._slots.append(Proof(rule, tuple(deps), t.detach(), t._version, limit, width))
+        self._widths.append(width)
+        return len(self._slots) - 1
+
+    def is_proof(self, slot: int) -> bool:
+        return isinstance(self._slots[slot], Proof)
+
+    def materialize(self, slot: int) -> None:
+        """Turn a proof into a read now (before the tensor is modified in place)."""
+        p = self._slots[slot]
+        if isinstance(p, Proof) and p.tensor._version == p.version:
+            t = p.tensor
+            lo, hi = torch.aminmax(t) if t.numel() else (t.new_zeros(()), t.new_zeros(()))
+            self._slots[slot] = len(self._mins)
+            self._mins.append(lo)
+            self._maxs.append(hi)
 
     def clear(self) -> None:
         self._mins.clear()
         self._maxs.clear()
+        self._slots.clear()
+        self._widths.clear()
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self._mins:
@@ -54,37 +117,128 @@ class Sentinel:
         return lo, hi
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(min, max) of every record as two float32 device vectors, for a caller that
-        folds them into its own single host read (the guard does)."""
+        """(min, max) of every read record as two float32 device vectors, for a caller
+        that folds them into its own single host read (the guard does); give the host
+        copies back to :meth:`status_of`."""
         return self._stacked()
 
-    @staticmethod
-    def status_of(lo: list[float], hi: list[float]) -> list[str]:
-        """Per record "ok" / "nan" / "inf" from host copies of :meth:`packed`."""
-        out = []
-        for a, b in zip(lo, hi, strict=True):
-            if a != a or b != b:
-                out.append("nan")
-            elif a == float("-inf") or b == float("inf"):
-                out.append("inf")
+    def status_of(self, lo: list[float], hi: list[float]) -> list[str]:
+        """Per record "ok" / "nan" / "inf", from host copies of :meth:`packed`.
+
+        Proofs are evaluated on the host; those that cannot settle are read, all
+        together, in one more transfer (only then).
+        """
+        status: list[str] = []
+        bounds: list[Bound] = []
+        suspects: list[int] = []
+        for slot, s in enumerate(self._slots):
+            if isinstance(s, int):
+                a, b = lo[s], hi[s]
+                if a != a or b != b:
+                    status.append("nan")
+                elif a == -INF or b == INF:
+                    status.append("inf")
+                else:
+                    status.append("ok")
+                amax = max(abs(a), abs(b)) if status[-1] == "ok" else INF
+                bounds.append((amax, amax * math.sqrt(self._widths[slot])))
+                continue
+            deps = [bounds[i] for i in s.deps]
+            bound: Bound = (INF, INF)
+            if all(math.isfinite(d[0]) and math.isfinite(d[1]) for d in deps):
+                bound = s.rule(HOST, deps)
+            if bound[0] < s.limit and bound[1] == bound[1]:
+                status.append("ok")
+                bounds.append(bound)
             else:
-                out.append("ok")
-        return out
+                status.append("?")
+                suspects.append(slot)
+                bounds.append((INF, INF))
+        if suspects:
+            self._settle(suspects, status)
+        return status
+
+    def _settle(self, suspects: list[int], status: list[str]) -> None:
+        """Read the retained tensors of proofs that did not settle (one transfer)."""
+        pairs = []
+        for slot in suspects:
+            p = self._slots[slot]
+            assert isinstance(p, Proof)
+            t = p.tensor
+            if t._version != p.version or t.numel() == 0:
+                pairs.append(torch.zeros(2, dtype=torch.float32))
+                status[slot] = "inf" if t.numel() else "ok"  # overwritten: could not read
+                continue
+            pairs.append(torch.stack(torch.aminmax(t)).to(torch.float32).cpu())
+        values = torch.stack(pairs).tolist()
+        for slot, (a, b) in zip(suspects, values, strict=True):
+            if status[slot] != "?":
+                continue
+            status[slot] = "nan" if a != a or b != b else "inf" if INF in (-a, b) else "ok"
 
     def flag(self) -> torch.Tensor:
-        """Device bool: did any record see a NaN or inf? (No host sync.)"""
+        """Device bool: did any record see a NaN or inf? Exact, and no host sync.
+
+        Without a host read nothing can tell which proofs settled, so the tensors
+        the proofs kept are read here (the pass the proofs saved is paid when the
+        flag is asked for). A tensor modified in place since its proof counts as
+        non-finite when its bound, evaluated on device, does not settle it.
+        """
         st = self._stacked()
-        if st is None:
+        if st is None and not self._slots:
             return torch.zeros((), dtype=torch.bool)
-        lo, hi = st
-        return ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+        bad = torch.zeros((), dtype=torch.bool)
+        amax: torch.Tensor | None = None
+        if st is not None:
+            lo, hi = st
+            bad = ~(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+            amax = torch.nan_to_num(_t(torch.maximum(lo.abs(), hi.abs()), lo), nan=INF, posinf=INF)
+        bounds: list[Bound] = []
+        for slot, s in enumerate(self._slots):
+            if isinstance(s, int):
+                assert amax is not None
+                a = amax[s]
+                bounds.append((a, a * math.sqrt(self._widths[slot])))
+                continue
+            t = s.tensor
+            if t._version == s.version and t.numel():
+                lo_t, hi_t = torch.aminmax(t)
+                finite = torch.isfinite(lo_t) & torch.isfinite(hi_t)
+                amax_t = _t(torch.maximum(lo_t.abs(), hi_t.abs()), bad)
+                a = torch.where(finite, amax_t, torch.full_like(amax_t, INF))
+                bounds.append((a, a * math.sqrt(s.width)))
+                bad = bad.to(finite.device) | ~finite
+            else:
+                deps = [bounds[i] for i in s.deps]
+                a, r = s.rule(DEVICE, [(_t(d[0], bad), _t(d[1], bad)) for d in deps])
+                a, r = _t(a, bad), _t(r, bad)
+                ok = torch.isfinite(a) & (a < s.limit) & ~torch.isnan(r)
+                for d in deps:
+                    ok = ok & torch.isfinite(_t(d[0], bad))
+                bounds.append(
+                    (
+                        torch.where(ok, a, torch.full_like(a, INF)),
+                        torch.where(ok, r, torch.full_like(r, INF)),
+                    )
+                )
+                bad = bad.to(ok.device) | ~ok
+        return bad
 
     def read(self) -> list[str]:
-        """Per record: ``"ok"``, ``"nan"`` or ``"inf"``. One device-to-host transfer."""
+        """Per record: ``"ok"``, ``"nan"`` or ``"inf"``. One device-to-host transfer
+        (two when a proof has to be settled by reading its tensor)."""
         st = self._stacked()
         if st is None:
-            return []
+            return self.status_of([], [])
         lo, hi = st
         # The one host read of the monitor: a small packed tensor, on request only.
         pair = torch.stack([lo, hi]).cpu()
         return self.status_of(pair[0].tolist(), pair[1].tolist())
+
+
+def _t(v: object, like: torch.Tensor) -> torch.Tensor:
+    """A device scalar from a rule's value (float64; float32 where a device has no float64)."""
+    dtype = torch.float32 if like.device.type == "mps" else torch.float64
+    if isinstance(v, torch.Tensor):
+        return v.to(dtype)
+    return torch.full((), float(v), dtype=dtype, device=like.device)  # type: ignore[arg-type]
