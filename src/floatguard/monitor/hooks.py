@@ -69,6 +69,15 @@ def _autocast_fp16(t: torch.Tensor) -> bool:
         return True
 
 
+_HYPER = ("p", "eps", "negative_slope", "alpha", "beta", "min_val", "max_val", "inplace")
+
+
+def _hyper(m: nn.Module) -> tuple[Any, ...]:
+    """The hyper-parameters rules read (part of the rule cache's key: they may change)."""
+    d = m.__dict__
+    return tuple(d.get(k) for k in _HYPER)
+
+
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Rebuild tuples/lists/dicts with ``fn`` applied to their floating tensors."""
     if isinstance(obj, torch.Tensor):
@@ -144,6 +153,7 @@ class Monitor:
         self._slot_stats: dict[int, TensorStats] = {}
         self.proofs = proofs
         self._frames: list[_Frame | None] = []
+        self._rules: dict[tuple[Any, ...], Rule | None] = {}
         self._provable = {id(m) for m in model.modules() if provable_type(m)}
 
     # ---------------------------------------------------------------- wiring
@@ -319,7 +329,12 @@ class Monitor:
             proof: tuple[Rule, list[int]] | None = None
             if frame is not None and isinstance(output, torch.Tensor):
                 if output.dtype in PROVABLE_DTYPES:
-                    rule = forward_rule(module, frame.x, output)
+                    width = output.shape[-1] if output.dim() else 1
+                    key = (id(module), 0, width, frame.x, module.training, _hyper(module))
+                    if key in self._rules:
+                        rule = self._rules[key]
+                    else:
+                        rule = self._rules[key] = forward_rule(module, frame.x, output)
                     if rule is not None:
                         proof = (rule, frame.deps)
             # A lone tensor is output[0], like the first element of a tuple.
@@ -377,7 +392,12 @@ class Monitor:
                     and frame.x is not None
                     and grad.dtype in PROVABLE_DTYPES
                 ):
-                    rule = backward_rule(frame.module, frame.width, frame.x)
+                    m = frame.module
+                    rkey = (id(m), 1, frame.width, frame.x, m.training, _hyper(m))
+                    if rkey in self._rules:
+                        rule = self._rules[rkey]
+                    else:
+                        rule = self._rules[rkey] = backward_rule(m, frame.width, frame.x)
                     if rule is not None:
                         proof = (rule, [frame.g_slot, *frame.deps])
                 rec = self._add(kind, roles[0][0], roles[0][1], grad, proof)

@@ -33,6 +33,8 @@ from floatguard.monitor.bounds import DEVICE, HOST, INF, Bound, Rule
 
 __all__ = ["Proof", "Sentinel"]
 
+_LIMITS: dict[torch.dtype, float] = {}
+
 
 @dataclass
 class Proof:
@@ -79,7 +81,7 @@ class Sentinel:
     def prove(self, t: torch.Tensor, rule: Rule, deps: Sequence[int]) -> int:
         """Record ``t`` by a proof from earlier records ``deps``; reads nothing."""
         width = t.shape[-1] if t.dim() else 1
-        limit = float(torch.finfo(t.dtype).max)
+        limit = _LIMITS.get(t.dtype) or _LIMITS.setdefault(t.dtype, torch.finfo(t.dtype).max)
         self._slots.append(Proof(rule, tuple(deps), t.detach(), t._version, limit, width))
         self._widths.append(width)
         return len(self._slots) - 1
