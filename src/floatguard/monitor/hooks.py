@@ -310,6 +310,11 @@ class Monitor:
                 # A view gives this module its own autograd edge: the hook sees exactly
                 # the gradient this module sends back to its input.
                 v = t.view_as(t)
+                hit = self._seen.get(id(t))
+                if hit is not None and hit[0]() is t:
+                    # Same memory, same version counter: what the module's children see
+                    # through the view was checked as the module's input.
+                    self._seen[id(v)] = (weakref.ref(v), v._version, hit[2])
                 hook = self._grad_hook(
                     "bwd_grad_input", [(path, f"grad_input[{i}]")], frame if t is x else None
                 )
