@@ -13,7 +13,13 @@ from torch import nn
 
 from floatguard import Monitor
 from floatguard.demo import GPT, GPTConfig, synthetic_batch
-from floatguard.monitor.bounds import HOST, backward_rule, forward_rule, rule_params
+from floatguard.monitor.bounds import (
+    HOST,
+    accumulation_roundoff,
+    backward_rule,
+    forward_rule,
+    rule_params,
+)
 
 
 def _bound_of(t: torch.Tensor) -> tuple[float, float]:
@@ -77,8 +83,9 @@ def test_every_bound_holds_against_the_kernel(dtype: torch.dtype, scale: float) 
             g = g.to(dtype)
             (gx,) = torch.autograd.grad(y, x, g)
             params = [_bound_of(getattr(m, n)) for n in rule_params(m)]
-            fr = forward_rule(m, dtype, y)
-            br = backward_rule(m, d, dtype)
+            acc = accumulation_roundoff(dtype)  # the tightest the monitor assumes
+            fr = forward_rule(m, dtype, y, acc)
+            br = backward_rule(m, d, dtype, acc)
             assert fr is not None and br is not None, m
             for rule, deps, result in (
                 (fr, [_bound_of(x), *params], y),
@@ -112,7 +119,8 @@ def test_conv_and_embedding_bounds_hold() -> None:
         g = torch.ones_like(y) * 7.0
         (gx,) = torch.autograd.grad(y, x, g)
         params = [_bound_of(getattr(m, n)) for n in rule_params(m)]
-        fr, br = forward_rule(m, x.dtype, y), backward_rule(m, x.shape[-1], x.dtype)
+        acc = accumulation_roundoff(x.dtype)
+        fr, br = forward_rule(m, x.dtype, y, acc), backward_rule(m, x.shape[-1], x.dtype, acc)
         assert fr is not None and br is not None
         assert _bound_of(y)[0] <= fr(HOST, [_bound_of(x), *params])[0]
         assert _bound_of(gx)[0] <= br(HOST, [_bound_of(g), _bound_of(x), *params])[0]
@@ -279,6 +287,21 @@ def test_an_inplace_activation_reads_its_input_first() -> None:
         m(torch.full((2, 4), 10.0))
     f = mon.first_nonfinite
     assert f is not None and (f.module, f.kind, f.tensor) == ("0", "inf", "output[0]")
+
+
+def test_bf16_autocast_is_proved_and_exact() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+    with Monitor(m) as mon, torch.autocast("cpu", dtype=torch.bfloat16):
+        m(torch.randn(4, 8)).float().sum().backward()
+    assert mon._sentinel.reads < len(mon._sentinel)
+    assert mon.first_nonfinite is None and not bool(mon.found_nonfinite)
+    with torch.no_grad():
+        m[2].weight.fill_(3e38)  # bf16 output of the last Linear overflows
+    with Monitor(m) as mon, torch.autocast("cpu", dtype=torch.bfloat16):
+        m(torch.full((4, 8), 5.0)).float().sum()
+    f = mon.first_nonfinite
+    assert f is not None and (f.module, f.phase) == ("2", "forward")
 
 
 def test_fp16_autocast_is_never_proved() -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "PROVABLE_DTYPES",
     "Ops",
     "Rule",
+    "accumulation_roundoff",
     "backward_rule",
     "forward_rule",
     "provable_type",
@@ -55,7 +56,7 @@ __all__ = [
 
 PROVABLE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
 INF = math.inf
-U = 2.0**-8  # unit roundoff of bfloat16: the coarsest arithmetic these kernels may use
+U = 2.0**-8  # unit roundoff of bfloat16: the coarsest rounding these kernels may apply
 MARGIN = 1.0 + 2.0**-6  # elementwise functions: a few roundings, generously
 HUGE = 1e18  # amax beyond this voids a proof (x**2, x**3 inside kernels could overflow)
 
@@ -99,10 +100,29 @@ HOST = Ops(_host_min, _host_gate)
 DEVICE = Ops(_dev_min, _dev_gate)
 
 
-def _dot_factor(k: int) -> float:
-    """``(1 + u)^(k + 3)`` bounded by ``exp((k + 3) u)``; inf when that overflows."""
-    e = (k + 3) * U
-    return math.exp(e) * (1 + 1e-12) if e < 700 else INF
+def accumulation_roundoff(*dtypes: torch.dtype, low_precision: bool = False) -> float:
+    """Unit roundoff of the sums inside a matmul or convolution of these dtypes.
+
+    bfloat16 anywhere (data, parameters, or ``low_precision``: a bf16 autocast)
+    may accumulate in bfloat16 (reduced-precision reductions are allowed by
+    default on CUDA): ``2^-8``. Otherwise float32 accumulates in float32
+    (``2^-24``; TF32 or bf16 *inputs* are covered separately) and float64 in
+    float64.
+    """
+    if low_precision or torch.bfloat16 in dtypes:
+        return 2.0**-8
+    return 2.0**-53 if all(d == torch.float64 for d in dtypes) else 2.0**-24
+
+
+def _dot_factor(k: int, acc: float) -> float:
+    """Bound on ``|fl(sum_k x w + b)| / (sum_k |x| |w| + |b|)``.
+
+    Inputs may be rounded to TF32 or bf16 (``1 + 2^-8`` each), products and the
+    output rounded once more (``1 + 2^-8``), and each of the ``k`` additions
+    rounds with ``acc``: ``(1 + 2^-8)^3 (1 + acc)^k <= (1 + 2^-8)^3 exp(k acc)``.
+    """
+    e = k * acc
+    return (1 + U) ** 3 * math.exp(e) * (1 + 1e-12) if e < 700 else INF
 
 
 @dataclass(frozen=True)
@@ -116,6 +136,7 @@ class Rule:
 
     name: str
     fn: Callable[[Ops, Sequence[Bound]], Bound]
+    uses: tuple[int, ...] | None = None  # the dependencies the bound reads (None: all)
 
     def __call__(self, ops: Ops, deps: Sequence[Bound]) -> Bound:
         return self.fn(ops, deps)
@@ -172,19 +193,22 @@ def _norm_eps(m: nn.Module, dtype: torch.dtype) -> float | None:
     return eps if eps > 0 else None
 
 
-def forward_rule(m: nn.Module, x: torch.dtype | None, out: torch.Tensor) -> Rule | None:
+def forward_rule(
+    m: nn.Module, x: torch.dtype | None, out: torch.Tensor, acc: float = U
+) -> Rule | None:
     """The rule proving ``m``'s output ``out`` finite from its input and its parameters.
 
     ``x`` is the dtype of the one floating input (None for ``Embedding``, which
-    has none). Dependencies, in order: the input (if any), then the parameters
-    named by :func:`rule_params`. None when this call of ``m`` is not provable.
+    has none); ``acc`` the unit roundoff of sums (:func:`accumulation_roundoff`).
+    Dependencies, in order: the input (if any), then the parameters named by
+    :func:`rule_params`. None when this call of ``m`` is not provable.
     """
     t = type(m)
     d = out.shape[-1] if out.dim() else 1
     sd = math.sqrt(d)
     if t is nn.Linear and x is not None:
         k = _a(m, "in_features")
-        f, sk = _dot_factor(k), math.sqrt(k)
+        f, sk = _dot_factor(k, acc), math.sqrt(k)
         has_b = _a(m, "bias") is not None
 
         def linear(ops: Ops, deps: Sequence[Bound]) -> Bound:
@@ -197,7 +221,7 @@ def forward_rule(m: nn.Module, x: torch.dtype | None, out: torch.Tensor) -> Rule
     if t in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and x is not None:
         w = _a(m, "weight")
         k = int(w.shape[1]) * math.prod(int(s) for s in w.shape[2:])
-        f = _dot_factor(k)
+        f = _dot_factor(k, acc)
         has_b = _a(m, "bias") is not None
 
         def conv(ops: Ops, deps: Sequence[Bound]) -> Bound:
@@ -235,20 +259,23 @@ def forward_rule(m: nn.Module, x: torch.dtype | None, out: torch.Tensor) -> Rule
     if ew is not None:
         lip, c, cap, _ = ew
 
+        # These envelopes hold for every finite input (tanh-GELU's x**3 overflowing
+        # inside is harmless: tanh(+-inf) = +-1), so no magnitude gate.
         def elementwise(ops: Ops, deps: Sequence[Bound]) -> Bound:
             ax, rx = deps[0]
             a = ops.min(lip * ax + c, cap) * MARGIN
             r = ops.min(lip * rx + c * sd, cap * sd) * MARGIN
-            return ops.gate(ax, HUGE, a), ops.gate(ax, HUGE, r)
+            return a, r
 
         return Rule(f"elementwise:{t.__name__}", elementwise)
     return None
 
 
-def backward_rule(m: nn.Module, width: int, dtype: torch.dtype) -> Rule | None:
+def backward_rule(m: nn.Module, width: int, dtype: torch.dtype, acc: float = U) -> Rule | None:
     """The rule proving the gradient ``m`` sends to its input finite.
 
-    ``width``/``dtype``: the last dimension and dtype of the forward input.
+    ``width``/``dtype``: the last dimension and dtype of the forward input;
+    ``acc`` the unit roundoff of sums (:func:`accumulation_roundoff`).
     Dependencies, in order: the gradient arriving at ``m``'s output, the forward
     input, then the parameters named by :func:`rule_params`.
     """
@@ -256,14 +283,14 @@ def backward_rule(m: nn.Module, width: int, dtype: torch.dtype) -> Rule | None:
     sd = math.sqrt(width)
     if t is nn.Linear:
         n = _a(m, "out_features")
-        f, sn = _dot_factor(n), math.sqrt(n)
+        f, sn = _dot_factor(n, acc), math.sqrt(n)
 
         def linear(ops: Ops, deps: Sequence[Bound]) -> Bound:
             (ag, rg), aw = deps[0], deps[2][0]
             a = f * aw * ops.min(ag * n, rg * sn)
             return a, a * sd
 
-        return Rule("linear", linear)
+        return Rule("linear", linear, uses=(0, 2))
     if t in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
         w = _a(m, "weight")
         k = int(w.shape[0]) // int(_a(m, "groups")) * math.prod(int(s) for s in w.shape[2:])
@@ -272,14 +299,14 @@ def backward_rule(m: nn.Module, width: int, dtype: torch.dtype) -> Rule | None:
             # 1 + left + right times per dimension, and each copy gets its own gradient
             pads = [int(p) for p in _a(m, "_reversed_padding_repeated_twice")]
             k *= math.prod(1 + pads[i] + pads[i + 1] for i in range(0, len(pads), 2))
-        f = _dot_factor(k)
+        f = _dot_factor(k, acc)
 
         def conv(ops: Ops, deps: Sequence[Bound]) -> Bound:
             ag, aw = deps[0][0], deps[2][0]
             a = f * k * ag * aw
             return a, a * sd
 
-        return Rule("conv", conv)
+        return Rule("conv", conv, uses=(0, 2))
     if t in (nn.LayerNorm, *_rmsnorm()):
         eps = _norm_eps(m, dtype)
         if eps is None:
@@ -290,7 +317,8 @@ def backward_rule(m: nn.Module, width: int, dtype: torch.dtype) -> Rule | None:
         has_w = getattr(m, "weight", None) is not None
 
         # dx = rstd (g' - mean g' - xhat mean(g' xhat)), g' = g * weight, |xhat| <= c amax(x);
-        # the sums inside are up to nd times the means, so the bound carries nd.
+        # the sums inside are up to nd times the means, so the bound carries nd. Loose
+        # (large but finite inputs do not settle it and are read), never wrong.
         def norm(ops: Ops, deps: Sequence[Bound]) -> Bound:
             ag, ax = deps[0][0], deps[1][0]
             aw = deps[2][0] if has_w else 1.0
@@ -302,10 +330,16 @@ def backward_rule(m: nn.Module, width: int, dtype: torch.dtype) -> Rule | None:
     ew = _elementwise(m)
     if ew is not None:
         slope = ew[3] * MARGIN
+        # tanh-GELU's backward forms (1 - tanh(u)^2) * (1 + 3c x^2): 0 * inf once x^2
+        # overflows, so it is proved only for |x| < 1e18; the others are finite for
+        # every finite x.
+        gated = t is nn.GELU and _a(m, "approximate") == "tanh"
 
         def elementwise(ops: Ops, deps: Sequence[Bound]) -> Bound:
             (ag, rg), ax = deps[0], deps[1][0]
-            return ops.gate(ax, HUGE, ag * slope), ops.gate(ax, HUGE, rg * slope)
+            if gated:
+                return ops.gate(ax, HUGE, ag * slope), ops.gate(ax, HUGE, rg * slope)
+            return ag * slope, rg * slope
 
         return Rule(f"elementwise:{t.__name__}", elementwise)
     return None

@@ -15,6 +15,7 @@ from floatguard.formats.registry import get
 from floatguard.monitor.bounds import (
     PROVABLE_DTYPES,
     Rule,
+    accumulation_roundoff,
     backward_rule,
     forward_rule,
     provable_type,
@@ -55,18 +56,19 @@ class _Frame:
     x: torch.dtype | None  # dtype of the one floating input (None for an embedding)
     width: int  # its last dimension
     deps: list[int]  # slots: the input (if any), then the rule's parameters
+    acc: float  # unit roundoff of the sums inside (bounds.accumulation_roundoff)
     g_slot: int | None = None  # slot of the gradient that arrived at the output
 
 
-def _autocast_fp16(t: torch.Tensor) -> bool:
+def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype in force for ``t``'s device (None when autocast is off)."""
     dev = t.device.type
     try:
-        return bool(torch.is_autocast_enabled(dev)) and torch.get_autocast_dtype(dev) not in (
-            torch.bfloat16,
-            torch.float32,
-        )
-    except (TypeError, RuntimeError, AttributeError):  # torch < 2.4 spellings: be safe
-        return True
+        if not torch.is_autocast_enabled(dev):
+            return None
+        return torch.get_autocast_dtype(dev)
+    except (TypeError, RuntimeError, AttributeError):  # older spellings: assume the worst
+        return torch.float16
 
 
 _HYPER = ("p", "eps", "negative_slope", "alpha", "beta", "min_val", "max_val", "inplace")
@@ -280,17 +282,22 @@ class Monitor:
             frame: _Frame | None = None
             if provable and self.proofs and len(inputs) <= 1:
                 x = inputs[0][1] if inputs else None
+                cast = _autocast_dtype(x) if x is not None else None
                 if (
                     (x is None) == is_embedding
-                    and (x is None or (x.dtype in PROVABLE_DTYPES and not _autocast_fp16(x)))
+                    and (x is None or x.dtype in PROVABLE_DTYPES)
+                    and (cast is None or cast in PROVABLE_DTYPES)
                     and all(p.dtype in PROVABLE_DTYPES for _, p in params)
                 ):
                     deps = slots + [pslots["param:" + n] for n in rule_pnames]
+                    dtypes = [p.dtype for _, p in params] + ([x.dtype] if x is not None else [])
+                    acc = accumulation_roundoff(*dtypes, low_precision=cast == torch.bfloat16)
                     frame = _Frame(
                         mod,
                         None if x is None else x.dtype,
                         x.shape[-1] if x is not None and x.dim() else 1,
                         deps,
+                        acc,
                     )
             if getattr(mod, "inplace", False) is True:
                 # It will overwrite its input: a proof of that input must read it now.
@@ -335,11 +342,20 @@ class Monitor:
             if frame is not None and isinstance(output, torch.Tensor):
                 if output.dtype in PROVABLE_DTYPES:
                     width = output.shape[-1] if output.dim() else 1
-                    key = (id(module), 0, width, frame.x, module.training, _hyper(module))
+                    key = (
+                        id(module),
+                        0,
+                        width,
+                        frame.x,
+                        frame.acc,
+                        module.training,
+                        _hyper(module),
+                    )
                     if key in self._rules:
                         rule = self._rules[key]
                     else:
-                        rule = self._rules[key] = forward_rule(module, frame.x, output)
+                        rule = forward_rule(module, frame.x, output, frame.acc)
+                        self._rules[key] = rule
                     if rule is not None:
                         proof = (rule, frame.deps)
             # A lone tensor is output[0], like the first element of a tuple.
@@ -398,11 +414,12 @@ class Monitor:
                     and grad.dtype in PROVABLE_DTYPES
                 ):
                     m = frame.module
-                    rkey = (id(m), 1, frame.width, frame.x, m.training, _hyper(m))
+                    rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, _hyper(m))
                     if rkey in self._rules:
                         rule = self._rules[rkey]
                     else:
-                        rule = self._rules[rkey] = backward_rule(m, frame.width, frame.x)
+                        rule = backward_rule(m, frame.width, frame.x, frame.acc)
+                        self._rules[rkey] = rule
                     if rule is not None:
                         proof = (rule, [frame.g_slot, *frame.deps])
                 rec = self._add(kind, roles[0][0], roles[0][1], grad, proof)

@@ -15,6 +15,7 @@ exact. Should the tensor have been modified in place before that read, its
 original values are gone and the record is reported as ``"inf"``: the bound
 said it could have overflowed.
 
+
 :meth:`Sentinel.flag` folds everything into one exact device bool without a host
 sync (it has to read what the proofs kept: without a host read it cannot know which
 proofs settled); :meth:`Sentinel.status_of` / :meth:`Sentinel.read` give the
@@ -42,7 +43,7 @@ class Proof:
 
     rule: Rule
     deps: tuple[int, ...]
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # kept to read it if the bound does not settle
     version: int
     limit: float  # largest finite value of the tensor's dtype
     width: int
@@ -79,7 +80,11 @@ class Sentinel:
         return len(self._slots) - 1
 
     def prove(self, t: torch.Tensor, rule: Rule, deps: Sequence[int]) -> int:
-        """Record ``t`` by a proof from earlier records ``deps``; reads nothing."""
+        """Record ``t`` by a proof from earlier records ``deps``; reads nothing.
+
+        ``t`` is kept (until :meth:`clear`) so that it can be read if the bound
+        does not settle.
+        """
         width = t.shape[-1] if t.dim() else 1
         limit = _LIMITS.get(t.dtype) or _LIMITS.setdefault(t.dtype, torch.finfo(t.dtype).max)
         self._slots.append(Proof(rule, tuple(deps), t.detach(), t._version, limit, width))
@@ -127,56 +132,79 @@ class Sentinel:
     def status_of(self, lo: list[float], hi: list[float]) -> list[str]:
         """Per record "ok" / "nan" / "inf", from host copies of :meth:`packed`.
 
-        Proofs are evaluated on the host; those that cannot settle are read, all
-        together, in one more transfer (only then).
+        Proofs are evaluated on the host in order; kept tensors whose proofs do not
+        settle are read (all of a round in one more transfer, only then) and their
+        exact values feed the proofs after them.
         """
+        settled: dict[int, tuple[float, float] | None] = {}
+        while True:
+            status, suspects = self._evaluate(lo, hi, settled)
+            if not suspects:
+                return status
+            settled.update(self._read_kept(suspects))
+
+    @staticmethod
+    def _verdict(a: float, b: float) -> str:
+        if a != a or b != b:
+            return "nan"
+        return "inf" if a == -INF or b == INF else "ok"
+
+    def _evaluate(
+        self, lo: list[float], hi: list[float], settled: dict[int, tuple[float, float] | None]
+    ) -> tuple[list[str], list[int]]:
         status: list[str] = []
         bounds: list[Bound] = []
         suspects: list[int] = []
         for slot, s in enumerate(self._slots):
+            values: tuple[float, float] | None = None
             if isinstance(s, int):
-                a, b = lo[s], hi[s]
-                if a != a or b != b:
-                    status.append("nan")
-                elif a == -INF or b == INF:
+                values = (lo[s], hi[s])
+            elif slot in settled:
+                values = settled[slot]
+                if values is None:  # modified in place before it could be read
                     status.append("inf")
-                else:
-                    status.append("ok")
+                    bounds.append((INF, INF))
+                    continue
+            if values is not None:
+                status.append(self._verdict(*values))
+                a, b = values
                 amax = max(abs(a), abs(b)) if status[-1] == "ok" else INF
                 bounds.append((amax, amax * math.sqrt(self._widths[slot])))
                 continue
+            assert isinstance(s, Proof)
             deps = [bounds[i] for i in s.deps]
+            used = [deps[i] for i in s.rule.uses] if s.rule.uses is not None else deps
             bound: Bound = (INF, INF)
-            if all(math.isfinite(d[0]) and math.isfinite(d[1]) for d in deps):
-                bound = s.rule(HOST, deps)
+            if all(math.isfinite(d[0]) and math.isfinite(d[1]) for d in used):
+                bound = s.rule(HOST, [d if math.isfinite(d[0]) else (0.0, 0.0) for d in deps])
             if bound[0] < s.limit and bound[1] == bound[1]:
                 status.append("ok")
                 bounds.append(bound)
-            else:
-                status.append("?")
-                suspects.append(slot)
-                bounds.append((INF, INF))
-        if suspects:
-            self._settle(suspects, status)
-        return status
+                continue
+            bounds.append((INF, INF))
+            status.append("?")
+            suspects.append(slot)
+        return status, suspects
 
-    def _settle(self, suspects: list[int], status: list[str]) -> None:
-        """Read the retained tensors of proofs that did not settle (one transfer)."""
-        pairs = []
-        for slot in suspects:
+    def _read_kept(self, slots: list[int]) -> dict[int, tuple[float, float] | None]:
+        """Read the kept tensors of proofs that did not settle (one transfer)."""
+        out: dict[int, tuple[float, float] | None] = {}
+        pairs, order = [], []
+        for slot in slots:
             p = self._slots[slot]
             assert isinstance(p, Proof)
             t = p.tensor
-            if t._version != p.version or t.numel() == 0:
-                pairs.append(torch.zeros(2, dtype=torch.float32))
-                status[slot] = "inf" if t.numel() else "ok"  # overwritten: could not read
-                continue
-            pairs.append(torch.stack(torch.aminmax(t)).to(torch.float32).cpu())
-        values = torch.stack(pairs).tolist()
-        for slot, (a, b) in zip(suspects, values, strict=True):
-            if status[slot] != "?":
-                continue
-            status[slot] = "nan" if a != a or b != b else "inf" if INF in (-a, b) else "ok"
+            if t._version != p.version:
+                out[slot] = None
+            elif t.numel() == 0:
+                out[slot] = (0.0, 0.0)
+            else:
+                pairs.append(torch.stack(torch.aminmax(t)).to(torch.float32).cpu())
+                order.append(slot)
+        if pairs:
+            for slot, (a, b) in zip(order, torch.stack(pairs).tolist(), strict=True):
+                out[slot] = (a, b)
+        return out
 
     def flag(self) -> torch.Tensor:
         """Device bool: did any record see a NaN or inf? Exact, and no host sync.
@@ -215,8 +243,8 @@ class Sentinel:
                 a, r = s.rule(DEVICE, [(_t(d[0], bad), _t(d[1], bad)) for d in deps])
                 a, r = _t(a, bad), _t(r, bad)
                 ok = torch.isfinite(a) & (a < s.limit) & ~torch.isnan(r)
-                for d in deps:
-                    ok = ok & torch.isfinite(_t(d[0], bad))
+                for i in s.rule.uses if s.rule.uses is not None else range(len(deps)):
+                    ok = ok & torch.isfinite(_t(deps[i][0], bad))
                 bounds.append(
                     (
                         torch.where(ok, a, torch.full_like(a, INF)),
