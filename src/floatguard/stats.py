@@ -8,7 +8,9 @@ float64-from-float32 data, subnormals included); float64 values beyond that
 range are counted in the end bins, and ``amax`` / ``min_nonzero`` stay exact.
 
 All fields are tensors on the input's device; nothing syncs with the host until
-you call :meth:`TensorStats.to_dict` or one of the ``fraction`` helpers.
+you call :meth:`TensorStats.to_dict` or one of the ``fraction`` helpers. On CPU,
+float32 / bfloat16 / float16 data is read in one pass by a small C kernel built on
+first use (:mod:`floatguard._native`; identical results, the torch path otherwise).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from floatguard import _native
 from floatguard.formats.registry import Format, get
 
 __all__ = ["EXP_MAX", "EXP_MIN", "TensorStats", "audit_tensor_numerics", "tensor_stats"]
@@ -202,6 +205,48 @@ def _stats_f32(xf: torch.Tensor, numel: torch.Tensor) -> TensorStats:
     )
 
 
+def _stats_native(
+    xf: torch.Tensor, numel: torch.Tensor
+) -> tuple[TensorStats, torch.Tensor, torch.Tensor] | None:
+    """The one-pass C kernel (contiguous CPU float32/bfloat16): the stats and what
+    ``torch.aminmax`` would return (as float64), or None if the kernel is unavailable."""
+    lib = _native.library()
+    if lib is None:
+        return None
+    counts = torch.empty(408, dtype=torch.int64)
+    ext = torch.empty(6, dtype=torch.float64)
+    fn = lib.fg_stats_f32 if xf.dtype == torch.float32 else lib.fg_stats_bf16
+    fn(xf.data_ptr(), xf.numel(), torch.get_num_threads(), counts.data_ptr(), ext.data_ptr())
+    stats = TensorStats(
+        numel=numel,
+        nan=counts[405],
+        posinf=counts[406],
+        neginf=counts[407],
+        zeros=counts[0],
+        amax=ext[0],
+        min_nonzero=ext[1],
+        min=ext[2],
+        max=ext[3],
+        hist=counts[127:404],
+    )
+    return stats, ext[4], ext[5]
+
+
+def stats_and_aminmax(
+    x: torch.Tensor,
+) -> tuple[TensorStats, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`tensor_stats` plus, when the one-pass kernel read it, the pair
+    ``torch.aminmax(x)`` would give (so a caller needing both reads ``x`` once)."""
+    xf = x.detach().reshape(-1)
+    if xf.device.type == "cpu" and xf.dtype == torch.float16 and xf.numel():
+        xf = xf.float()
+    if xf.device.type == "cpu" and xf.dtype in (torch.float32, torch.bfloat16) and xf.numel():
+        native = _stats_native(xf, torch.full((), xf.numel(), dtype=torch.int64))
+        if native is not None:
+            return native[0], (native[1], native[2])
+    return tensor_stats(x), None
+
+
 def tensor_stats(x: torch.Tensor) -> TensorStats:
     """Read ``x`` into a :class:`TensorStats` on its device, without a host sync.
 
@@ -212,6 +257,12 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
     if not x.is_floating_point():
         raise TypeError(f"tensor_stats needs a floating-point tensor, got {x.dtype}")
     xf = x.detach().reshape(-1)
+    if xf.device.type == "cpu" and xf.dtype == torch.float16 and xf.numel():
+        xf = xf.float()
+    if xf.device.type == "cpu" and xf.dtype in (torch.float32, torch.bfloat16) and xf.numel():
+        native = _stats_native(xf, torch.full((), xf.numel(), dtype=torch.int64))
+        if native is not None:
+            return native[0]
     if xf.dtype not in (torch.float32, torch.float64):
         xf = xf.float()
     dev = xf.device

@@ -23,7 +23,7 @@ from floatguard.monitor.bounds import (
 )
 from floatguard.monitor.localize import Alert, Fault, Record, RecordKind, localize
 from floatguard.monitor.sentinel import Sentinel
-from floatguard.stats import TensorStats, tensor_stats
+from floatguard.stats import TensorStats, stats_and_aminmax
 
 __all__ = ["Monitor"]
 
@@ -230,13 +230,17 @@ class Monitor:
         proof: tuple[Rule, list[int]] | None = None,
     ) -> Record:
         stats_on = self._stats_on()
+        stats: TensorStats | None = None
         if proof is not None and not stats_on:
             slot = self._sentinel.prove(t, proof[0], proof[1])
+        elif stats_on:
+            stats, minmax = stats_and_aminmax(t)  # one read for both where it can
+            slot = self._sentinel.add(t, minmax)
         else:
             slot = self._sentinel.add(t)
         rec = Record(kind, [(path, role)], slot, tuple(t.shape))
-        if stats_on:
-            rec.stats = self._slot_stats[rec.slot] = tensor_stats(t)
+        if stats is not None:
+            rec.stats = self._slot_stats[rec.slot] = stats
         self._records.append(rec)
         self._analysis = None
         return rec

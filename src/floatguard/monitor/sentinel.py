@@ -66,9 +66,12 @@ class Sentinel:
         """How many records were reads (the rest are proofs)."""
         return len(self._mins)
 
-    def add(self, t: torch.Tensor) -> int:
-        """Read ``t`` (one kernel, no sync); returns the record's slot."""
-        if t.numel() == 0:
+    def add(self, t: torch.Tensor, minmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Read ``t`` (one kernel, no sync); returns the record's slot. ``minmax``:
+        what ``torch.aminmax(t)`` gives, when the caller already has it."""
+        if minmax is not None:
+            lo, hi = minmax
+        elif t.numel() == 0:
             z = torch.zeros((), dtype=t.dtype, device=t.device)
             lo, hi = z, z
         else:
@@ -114,17 +117,21 @@ class Sentinel:
         if not self._mins:
             return None
         dtypes = {t.dtype for t in self._mins}
+        # float64 records stay float64 (a finite 1e300 must not read as inf); the
+        # rest fit float32 exactly, with their inf and NaN.
+        wide = torch.float64 in dtypes and self._mins[0].device.type != "mps"
+        target = torch.float64 if wide else torch.float32
         if len(dtypes) == 1:
             lo, hi = torch.stack(self._mins), torch.stack(self._maxs)
-            return lo.to(torch.float32), hi.to(torch.float32)
-        # Mixed dtypes (autocast): cast each scalar to float32 first (every float's
-        # min/max, inf and NaN survive the cast). Kernels only, no host round trip.
-        lo = torch.stack([t.to(torch.float32) for t in self._mins])
-        hi = torch.stack([t.to(torch.float32) for t in self._maxs])
+            return lo.to(target), hi.to(target)
+        # Mixed dtypes (autocast): cast each scalar first. Kernels only, no host trip.
+        lo = torch.stack([t.to(target) for t in self._mins])
+        hi = torch.stack([t.to(target) for t in self._maxs])
         return lo, hi
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(min, max) of every read record as two float32 device vectors, for a caller
+        """(min, max) of every read record as two device vectors (float32, or float64
+        when a record is), for a caller
         that folds them into its own single host read (the guard does); give the host
         copies back to :meth:`status_of`."""
         return self._stacked()
