@@ -205,31 +205,23 @@ def _stats_f32(xf: torch.Tensor, numel: torch.Tensor) -> TensorStats:
     )
 
 
-def _stats_native(
-    xf: torch.Tensor, numel: torch.Tensor
-) -> tuple[TensorStats, torch.Tensor, torch.Tensor] | None:
+def _stats_native(xf: torch.Tensor) -> tuple[TensorStats, torch.Tensor, torch.Tensor] | None:
     """The one-pass C kernel (contiguous CPU float32/bfloat16): the stats and what
     ``torch.aminmax`` would return (as float64), or None if the kernel is unavailable."""
     lib = _native.library()
     if lib is None:
         return None
-    counts = torch.empty(408, dtype=torch.int64)
+    counts = torch.empty(409, dtype=torch.int64)
     ext = torch.empty(6, dtype=torch.float64)
     fn = lib.fg_stats_f32 if xf.dtype == torch.float32 else lib.fg_stats_bf16
     fn(xf.data_ptr(), xf.numel(), torch.get_num_threads(), counts.data_ptr(), ext.data_ptr())
+    # Few view ops per call: this runs once per watched tensor in stats mode.
+    numel, nan, posinf, neginf, zeros = counts[[408, 405, 406, 407, 0]].unbind()
+    amax, min_nonzero, lo, hi, amin_t, amax_t = ext.unbind()
     stats = TensorStats(
-        numel=numel,
-        nan=counts[405],
-        posinf=counts[406],
-        neginf=counts[407],
-        zeros=counts[0],
-        amax=ext[0],
-        min_nonzero=ext[1],
-        min=ext[2],
-        max=ext[3],
-        hist=counts[127:404],
+        numel, nan, posinf, neginf, zeros, amax, min_nonzero, lo, hi, counts[127:404]
     )
-    return stats, ext[4], ext[5]
+    return stats, amin_t, amax_t
 
 
 def stats_and_aminmax(
@@ -241,7 +233,7 @@ def stats_and_aminmax(
     if xf.device.type == "cpu" and xf.dtype == torch.float16 and xf.numel():
         xf = xf.float()
     if xf.device.type == "cpu" and xf.dtype in (torch.float32, torch.bfloat16) and xf.numel():
-        native = _stats_native(xf, torch.full((), xf.numel(), dtype=torch.int64))
+        native = _stats_native(xf)
         if native is not None:
             return native[0], (native[1], native[2])
     return tensor_stats(x), None
@@ -260,7 +252,7 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
     if xf.device.type == "cpu" and xf.dtype == torch.float16 and xf.numel():
         xf = xf.float()
     if xf.device.type == "cpu" and xf.dtype in (torch.float32, torch.bfloat16) and xf.numel():
-        native = _stats_native(xf, torch.full((), xf.numel(), dtype=torch.int64))
+        native = _stats_native(xf)
         if native is not None:
             return native[0]
     if xf.dtype not in (torch.float32, torch.float64):

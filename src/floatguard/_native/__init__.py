@@ -95,7 +95,7 @@ def library() -> ctypes.CDLL | None:
             if not so.exists():
                 _build(src, so)
             lib = ctypes.CDLL(str(so))
-            if lib.fg_abi_version() != 1:
+            if lib.fg_abi_version() != 2:
                 return None
             for name in ("fg_stats_f32", "fg_stats_bf16"):
                 fn = getattr(lib, name)

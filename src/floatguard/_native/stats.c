@@ -7,7 +7,7 @@
  * its mantissa read as an integer), 404 inf and NaN. Bits of non-negative floats
  * order like their values, so extremes are integer max/min over a.
  *
- * counts (int64[408]): [0, 405) key counts, 405 nan, 406 +inf, 407 -inf.
+ * counts (int64[409]): [0, 405) key counts, 405 nan, 406 +inf, 407 -inf, 408 numel.
  * extremes (double[6]) over the finite values: amax (0 when none), smallest non-zero
  *   |x| (inf when none), min (inf when none), max (-inf when none); then what
  *   torch.aminmax would give (NaN if any NaN, else -inf / +inf if any, else min / max).
@@ -79,10 +79,14 @@ static void chunk(const uint32_t *u, int64_t m, acc_t *s) {
             else if (u[i] == 0x7F800000u) s->pinf++;
         }
     }
-    /* Spill the 32-bit sub-histograms before they could wrap (2^32 per chunk is far). */
+}
+
+/* Fold the 32-bit sub-histograms into the 64-bit keys (bucket 149 was split by the
+ * rescans). A sub-histogram sees at most a quarter of one thread's share, and it is
+ * folded every 2^30 values, so the counters cannot wrap. */
+static void fold(acc_t *s) {
     for (int k = 0; k < NKEYS; k++) {
-        if (k == 149) continue; /* f == 0: already split into keys above */
-        s->keys[k] += (int64_t)s->h[0][k] + s->h[1][k] + s->h[2][k] + s->h[3][k];
+        if (k != 149) s->keys[k] += (int64_t)s->h[0][k] + s->h[1][k] + s->h[2][k] + s->h[3][k];
     }
     memset(s->h, 0, sizeof(s->h));
 }
@@ -95,7 +99,7 @@ static double as_float(uint32_t a) {
 
 static void run(const void *data, int64_t n, int bf16, int nthreads, int64_t *out,
                 double *ext) {
-    memset(out, 0, 408 * sizeof(int64_t));
+    memset(out, 0, 409 * sizeof(int64_t));
     uint32_t gpmax = 0, gpmin = 0xFFFFFFFFu, gnmax = 0, gnmin = 0xFFFFFFFFu;
     uint32_t gmnz = 0x7F800000u;
     int64_t gnan = 0, gpinf = 0;
@@ -118,7 +122,9 @@ static void run(const void *data, int64_t n, int bf16, int nthreads, int64_t *ou
                 u = buf;
             }
             chunk(u, m, s);
+            if ((c & ((1 << 19) - 1)) == (1 << 19) - 1) fold(s); /* every 2^30 values */
         }
+        fold(s);
 #pragma omp critical
         {
             for (int k = 0; k < NKEYS; k++) out[k] += s->keys[k];
@@ -135,6 +141,7 @@ static void run(const void *data, int64_t n, int bf16, int nthreads, int64_t *ou
     out[405] = gnan;
     out[406] = gpinf;
     out[407] = out[404] - gnan - gpinf;
+    out[408] = n;
     int npos = gpmin != 0xFFFFFFFFu;
     int nneg = gnmin != 0xFFFFFFFFu;
     ext[0] = as_float(gpmax > gnmax ? gpmax : gnmax);
@@ -145,7 +152,7 @@ static void run(const void *data, int64_t n, int bf16, int nthreads, int64_t *ou
     ext[5] = gnan ? NAN : (gpinf ? INFINITY : ext[3]);
 }
 
-int fg_abi_version(void) { return 1; }
+int fg_abi_version(void) { return 2; }
 
 void fg_stats_f32(const void *data, int64_t n, int nthreads, int64_t *out, double *ext) {
     run(data, n, 0, nthreads, out, ext);
