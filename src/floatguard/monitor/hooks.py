@@ -322,7 +322,7 @@ class Monitor:
                 # the gradient this module sends back to its input.
                 v = t.view_as(t)
                 hit = self._seen.get(id(t))
-                if hit is not None and hit[0]() is t:
+                if hit is not None and hit[0]() is t and hit[1] == t._version:
                     # Same memory, same version counter: what the module's children see
                     # through the view was checked as the module's input.
                     self._seen[id(v)] = (weakref.ref(v), v._version, hit[2])
