@@ -328,3 +328,30 @@ def test_proofs_spare_most_reads_of_a_gpt_step() -> None:
         if not sen.is_proof(rec.slot)
     )  # fmt: skip
     assert proved_values > 0.5 * all_values
+
+
+class Poisoner(nn.Module):
+    """Modifies its input in place (after the monitor recorded it), then calls a child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            x[0, 0] = float("nan")
+        return self.fc(x)
+
+
+def test_an_input_modified_in_place_is_read_again() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), Poisoner())
+    with Monitor(m) as mon:
+        m(torch.randn(2, 4)).sum().backward()
+    f = mon.first_nonfinite
+    assert f is not None and (f.module, f.phase, f.kind, f.tensor) == (
+        "1",
+        "forward",
+        "nan",
+        "fc.input[0]",
+    )
