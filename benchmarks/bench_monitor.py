@@ -4,18 +4,29 @@ GPT: 4 layers, d=128, T=128, batch 16, on CPU; a step is forward + cross-entropy
 backward + SGD update. Contenders, each timed as the median over interleaved
 rounds (so drift on a shared machine hits every contender alike):
 
-- floatguard sentinel (default mode)
-- floatguard stats on every step, and stats every 10th step
+- floatguard sentinel (default mode: proofs + reads), and the sentinel reading every
+  tensor (``proofs=False``)
+- floatguard stats on every step, and stats every 10th step (on CPU with the one-pass
+  C kernel when a compiler is available; the header says which)
 - torch.autograd.detect_anomaly
 - a naive forward hook that calls ``.isnan().any().item()`` on every module output
 
-    python benchmarks/bench_monitor.py [--steps N] [--rounds R]
+    python benchmarks/bench_monitor.py [--steps N] [--rounds R] [--tuned-malloc]
+
+On a CPU the monitor's cost depends on glibc's allocator: keeping tensors (as the
+proofs do) or not changes when freed memory is returned to the OS and faulted back
+in. ``--tuned-malloc`` re-runs with glibc told to keep freed memory, for every
+contender alike, which shows the compute cost without that effect.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -23,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 import torch.nn.functional as F
 
-from floatguard import Monitor
+from floatguard import Monitor, _native
 from floatguard.demo import GPT, GPTConfig, synthetic_batch
 
 
@@ -52,6 +63,12 @@ def nothing(model: GPT) -> Iterator[None]:
 @contextmanager
 def sentinel(model: GPT) -> Iterator[None]:
     with Monitor(model):
+        yield
+
+
+@contextmanager
+def sentinel_reads(model: GPT) -> Iterator[None]:
+    with Monitor(model, proofs=False):
         yield
 
 
@@ -87,14 +104,29 @@ def naive_hooks(model: GPT) -> Iterator[None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds")
+    parser.add_argument(
+        "--tuned-malloc",
+        action="store_true",
+        help="re-run with glibc told to keep freed memory (no page faults from trimming)",
+    )
     args = parser.parse_args()
+    if args.tuned_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        env = {
+            **os.environ,
+            "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+            "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+            "MALLOC_TOP_PAD_": str(1 << 28),
+        }
+        argv = [a for a in sys.argv[1:] if a != "--tuned-malloc"]
+        raise SystemExit(subprocess.call([sys.executable, __file__, *argv], env=env))
     import warnings
 
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     contenders: dict[str, Callable[[GPT], AbstractContextManager[None]]] = {
         "unmonitored": nothing,
         "floatguard sentinel": sentinel,
+        "floatguard sentinel, proofs=False (reads all)": sentinel_reads,
         "floatguard stats every step": stats_every(1),
         "floatguard stats every 10th step": stats_every(10),
         "torch.autograd.detect_anomaly": anomaly,
@@ -104,8 +136,11 @@ def main() -> None:
     for _ in range(3):
         step(model, opt, x, y)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in contenders}
+    order = list(contenders.items())
+    shuffle = random.Random(0)
     for _ in range(args.rounds):
-        for name, ctx in contenders.items():
+        shuffle.shuffle(order)  # no contender always runs after the same one
+        for name, ctx in order:
             with ctx(model):
                 step(model, opt, x, y)  # first step under this contender: not timed
                 start = time.perf_counter()
@@ -113,9 +148,12 @@ def main() -> None:
                     step(model, opt, x, y)
                 times[name].append((time.perf_counter() - start) / args.steps)
     base = statistics.median(times["unmonitored"])
+    native = "one-pass C kernel" if _native.library() is not None else "torch path (no compiler)"
     print(
         f"# monitor benchmark: GPT 4 layers d=128 T=128 batch 16, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, median of {args.rounds} rounds x {args.steps} steps\n"
+        f"{torch.get_num_threads()} threads, median of {args.rounds} rounds x {args.steps} steps; "
+        f"stats: {native}; glibc malloc "
+        f"{'tuned (MALLOC_* set)' if 'MALLOC_TRIM_THRESHOLD_' in os.environ else 'default'}\n"
     )
     print("| contender | ms / step | vs unmonitored |")
     print("|---|---:|---:|")

@@ -96,10 +96,20 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 class Monitor:
     """Watch a model's numerics: forward inputs/outputs, parameters, and every gradient.
 
-    ``mode="sentinel"`` (default) keeps one on-device (min, max) record per
-    watched tensor and nothing else: no statistics and no host sync inside
-    forward or backward. ``mode="stats"`` also keeps a :class:`TensorStats` per
-    record on every ``every``-th step, on device until read.
+    ``mode="sentinel"`` (default) keeps one on-device record per watched tensor
+    and nothing else: no statistics and no host sync inside forward or backward.
+    A record is a read (one ``torch.aminmax``) or, with ``proofs=True`` (default),
+    a *proof*: for ``Linear``, ``Conv1d/2d/3d``, ``LayerNorm``, ``RMSNorm``,
+    ``Embedding`` and elementwise activations / dropout in float32, float64 or
+    bfloat16 (not under float16 autocast), the output and the gradient sent back
+    to the input are bounded from records already made (the input's amax, the
+    parameters'), and a bound below the dtype's largest value proves them finite
+    without reading them (:mod:`floatguard.monitor.bounds`). Proved tensors are
+    kept (referenced, not copied) until the next step; a proof that does not
+    settle is read when you read the monitor, so every verdict stays exact.
+    ``proofs=False`` reads every tensor. ``mode="stats"`` also keeps a
+    :class:`TensorStats` per record on every ``every``-th step (read in full on
+    those steps), on device until read.
 
     Use it as a context manager or with ``attach()`` / ``detach()`` (detach
     removes every hook; the records of the last step stay readable).
@@ -111,9 +121,11 @@ class Monitor:
     ``next_step()`` yourself (with ``auto_step=False``, only ``next_step()`` starts a
     step: the guard drives the monitor that way) or read after each micro-batch.
 
-    Reading: :attr:`found_nonfinite` is a device bool (no sync);
-    :attr:`first_nonfinite`, :attr:`faults` and :attr:`alerts` read the records
-    once (one small device-to-host copy) and apply the localization rules.
+    Reading: :attr:`found_nonfinite` is an exact device bool (no sync; it reads
+    the proved tensors, so it costs what the proofs saved); :attr:`first_nonfinite`,
+    :attr:`faults` and :attr:`alerts` read the records once (one small
+    device-to-host copy, plus one more only if a proof did not settle) and apply
+    the localization rules.
     """
 
     def __init__(
