@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -28,6 +29,16 @@ from floatguard.stats import TensorStats, stats_and_aminmax
 __all__ = ["Monitor"]
 
 Mode = Literal["sentinel", "stats"]
+
+
+def _floats(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """``list(_walk(obj, prefix))``, with the common cases (one tensor, a tuple of
+    tensors) taken without the generator."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)] if obj.is_floating_point() else []
+    if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
+        return [(f"{prefix}[{i}]", o) for i, o in enumerate(obj) if o.is_floating_point()]
+    return list(_walk(obj, prefix))
 
 
 def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -71,11 +82,17 @@ def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
         return torch.float16
 
 
-_HYPER = ("p", "eps", "negative_slope", "alpha", "beta", "min_val", "max_val", "inplace")
+_HYPER = (
+    "p", "eps", "negative_slope", "alpha", "beta", "min_val", "max_val", "inplace", "approximate",
+)  # fmt: skip
+_NO_HYPER = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.Identity)
 
 
 def _hyper(m: nn.Module) -> tuple[Any, ...]:
-    """The hyper-parameters rules read (part of the rule cache's key: they may change)."""
+    """The hyper-parameters rules read (part of the rule cache's key: they may change).
+    Types whose rule reads none but fixed shapes and flags skip the lookups."""
+    if type(m) in _NO_HYPER:
+        return ()
     d = m.__dict__
     return tuple(d.get(k) for k in _HYPER)
 
@@ -290,9 +307,9 @@ class Monitor:
                 self._last_forward_grad = torch.is_grad_enabled()
             self._stack.append(name)
             path = tuple(self._stack)
-            inputs = list(_walk(args, "input"))
+            inputs = _floats(args, "input")
             if kwargs:
-                inputs += list(_walk(kwargs, "input"))
+                inputs += _floats(kwargs, "input")
             slots = [self._add_forward("fwd_input", path, role, t) for role, t in inputs]
             pslots = {role: self._add_forward("fwd_param", path, role, p) for role, p in params}
             frame: _Frame | None = None
@@ -375,7 +392,7 @@ class Monitor:
                     if rule is not None:
                         proof = (rule, frame.deps)
             # A lone tensor is output[0], like the first element of a tuple.
-            outs = _walk((output,) if isinstance(output, torch.Tensor) else output, "output")
+            outs = _floats((output,) if isinstance(output, torch.Tensor) else output, "output")
             for role, t in outs:
                 self._add_forward("fwd_output", path, role, t, proof)
                 if grad and t.requires_grad:
@@ -405,49 +422,56 @@ class Monitor:
         frame: _Frame | None = None,
         out_frames: list[_Frame] | None = None,
     ) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self._backward_seen = True
-            if grad is None or not grad.is_floating_point():
-                return
-            # The gradient a module sends to its input view usually arrives, as a view of
-            # the same memory, at the previous module's output right after: check it once.
-            # The last checked gradient is held (one buffer at most), so its memory cannot
-            # have been reused: equal (address, layout, version) means equal values.
-            key = (grad.data_ptr(), grad.shape, grad.stride(), grad.dtype, grad._version)
-            last = self._last_grad
-            if last is not None and last[1] == key:
-                slot = last[2]
-                self._records.append(
-                    Record(kind, roles, slot, tuple(grad.shape), self._slot_stats.get(slot))
-                )
-                self._analysis = None
-            else:
-                proof: tuple[Rule, list[int]] | None = None
-                if (
-                    frame is not None
-                    and frame.g_slot is not None
-                    and frame.x is not None
-                    and grad.dtype in PROVABLE_DTYPES
-                ):
-                    m = frame.module
-                    rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, _hyper(m))
-                    if rkey in self._rules:
-                        rule = self._rules[rkey]
-                    else:
-                        rule = backward_rule(m, frame.width, frame.x, frame.acc)
-                        self._rules[rkey] = rule
-                    if rule is not None:
-                        proof = (rule, [frame.g_slot, *frame.deps])
-                rec = self._add(kind, roles[0][0], roles[0][1], grad, proof)
-                rec.paths = roles
-                slot = rec.slot
-                self._last_grad = (grad, key, slot)
-            if out_frames:
-                for f in out_frames:
-                    f.g_slot = slot
-            return None
+        # A partial, not a closure: one is made per watched tensor per step.
+        return functools.partial(self._on_grad, kind, roles, frame, out_frames)
 
-        return hook
+    def _on_grad(
+        self,
+        kind: RecordKind,
+        roles: list[tuple[tuple[str, ...], str]],
+        frame: _Frame | None,
+        out_frames: list[_Frame] | None,
+        grad: torch.Tensor,
+    ) -> None:
+        self._backward_seen = True
+        if grad is None or not grad.is_floating_point():
+            return
+        # The gradient a module sends to its input view usually arrives, as a view of
+        # the same memory, at the previous module's output right after: check it once.
+        # The last checked gradient is held (one buffer at most), so its memory cannot
+        # have been reused: equal (address, layout, version) means equal values.
+        key = (grad.data_ptr(), grad.shape, grad.stride(), grad.dtype, grad._version)
+        last = self._last_grad
+        if last is not None and last[1] == key:
+            slot = last[2]
+            self._records.append(
+                Record(kind, roles, slot, tuple(grad.shape), self._slot_stats.get(slot))
+            )
+            self._analysis = None
+        else:
+            proof: tuple[Rule, list[int]] | None = None
+            if (
+                frame is not None
+                and frame.g_slot is not None
+                and frame.x is not None
+                and grad.dtype in PROVABLE_DTYPES
+            ):
+                m = frame.module
+                rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, _hyper(m))
+                if rkey in self._rules:
+                    rule = self._rules[rkey]
+                else:
+                    rule = backward_rule(m, frame.width, frame.x, frame.acc)
+                    self._rules[rkey] = rule
+                if rule is not None:
+                    proof = (rule, [frame.g_slot, *frame.deps])
+            rec = self._add(kind, roles[0][0], roles[0][1], grad, proof)
+            rec.paths = roles
+            slot = rec.slot
+            self._last_grad = (grad, key, slot)
+        if out_frames:
+            for f in out_frames:
+                f.g_slot = slot
 
     def _param_grad_hook(self, module: str, pname: str) -> Callable[[torch.Tensor], None]:
         # Ownership path ("", "layers", "layers.0", ...): parameters have no call path.
