@@ -355,3 +355,77 @@ def test_an_input_modified_in_place_is_read_again() -> None:
         "nan",
         "fc.input[0]",
     )
+
+
+class Cnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.act = nn.SiLU()
+        self.flat = nn.Flatten()
+        self.fc = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        h = self.pool(self.relu(self.bn(self.conv1(x))))
+        return self.fc(self.flat(self.act(self.conv2(h))))
+
+
+class Tied(nn.Module):
+    """An embedding and a head sharing one weight, and a block called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(13, 16)
+        self.block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 13, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):  # type: ignore[no-untyped-def]
+        h = self.emb(idx)
+        h = h + self.block(h)
+        h = h + self.block(h)
+        return self.head(h)
+
+
+def _arch_run(arch: str, case: str, proofs: bool) -> tuple[list[tuple[str, str, str, str]], bool]:
+    net: nn.Module = Cnn() if arch == "cnn" else Tied()
+    if arch == "cnn":
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+        if case == "nan_input":
+            x[0, 0, 0, 0] = float("nan")
+    else:
+        x = torch.randint(0, 13, (3, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        if case == "overflow":
+            first = net.conv1 if arch == "cnn" else net.block[1]
+            first.weight.mul_(torch.finfo(torch.float32).max / 2)  # type: ignore[operator]
+        elif case == "inf_param":
+            (net.fc if arch == "cnn" else net.emb).weight[0, 0] = float("inf")  # type: ignore[index]
+        elif case == "big_loss":
+            pass
+    with Monitor(net, proofs=proofs) as mon:
+        out = net(x)
+        loss = out.float().sum() * (3e36 if case == "big_loss" else 1.0)
+        loss.backward()
+        return [(f.phase, f.module, f.tensor, f.kind) for f in mon.faults], bool(
+            mon.found_nonfinite
+        )
+
+
+@pytest.mark.parametrize("arch", ["cnn", "tied"])
+@pytest.mark.parametrize("case", ["clean", "nan_input", "overflow", "inf_param", "big_loss"])
+def test_proofs_agree_with_reads_on_other_architectures(arch: str, case: str) -> None:
+    with_reads = _arch_run(arch, case, proofs=False)
+    assert _arch_run(arch, case, proofs=True) == with_reads
+    # Where a fault was injected, it is seen (big_loss only checks agreement: near the
+    # top of float32, gradients may or may not overflow).
+    if case in ("overflow", "inf_param") or (case, arch) == ("nan_input", "cnn"):
+        assert with_reads[1] and with_reads[0]
+    elif case == "clean":
+        assert with_reads == ([], False)

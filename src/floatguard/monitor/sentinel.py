@@ -196,7 +196,7 @@ class Sentinel:
     def _read_kept(self, slots: list[int]) -> dict[int, tuple[float, float] | None]:
         """Read the kept tensors of proofs that did not settle (one transfer)."""
         out: dict[int, tuple[float, float] | None] = {}
-        pairs, order = [], []
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         for slot in slots:
             p = self._slots[slot]
             assert isinstance(p, Proof)
@@ -206,10 +206,12 @@ class Sentinel:
             elif t.numel() == 0:
                 out[slot] = (0.0, 0.0)
             else:
-                pairs.append(torch.stack(torch.aminmax(t)).to(torch.float32).cpu())
+                pairs, order = by_device.setdefault(t.device, ([], []))
+                wide = torch.float32 if t.device.type == "mps" else torch.float64
+                pairs.append(torch.stack(torch.aminmax(t)).to(wide))
                 order.append(slot)
-        if pairs:
-            for slot, (a, b) in zip(order, torch.stack(pairs).tolist(), strict=True):
+        for pairs, order in by_device.values():  # one transfer per device
+            for slot, (a, b) in zip(order, torch.stack(pairs).cpu().tolist(), strict=True):
                 out[slot] = (a, b)
         return out
 
