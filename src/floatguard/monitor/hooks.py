@@ -101,6 +101,8 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Rebuild tuples/lists/dicts with ``fn`` applied to their floating tensors."""
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.is_floating_point() else obj
+    if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
+        return tuple(fn(o) if o.is_floating_point() else o for o in obj)  # the common case
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_map(o, fn) for o in obj)
     if isinstance(obj, list):
@@ -185,6 +187,7 @@ class Monitor:
         self.proofs = proofs
         self._frames: list[_Frame | None] = []
         self._rules: dict[tuple[Any, ...], Rule | None] = {}
+        self._hypers: dict[int, tuple[Any, ...]] = {}
         self._provable = {id(m) for m in model.modules() if provable_type(m)}
 
     # ---------------------------------------------------------------- wiring
@@ -245,6 +248,14 @@ class Monitor:
         self._analysis = None
         self._last_grad = None
         self._slot_stats.clear()
+        self._hypers.clear()
+
+    def _hyper_of(self, m: nn.Module) -> tuple[Any, ...]:
+        """The module's rule hyper-parameters, looked up once per step."""
+        h = self._hypers.get(id(m))
+        if h is None:
+            h = self._hypers[id(m)] = _hyper(m)
+        return h
 
     def _stats_on(self) -> bool:
         return self.mode == "stats" and self.step % self.every == 0
@@ -382,7 +393,7 @@ class Monitor:
                         frame.x,
                         frame.acc,
                         module.training,
-                        _hyper(module),
+                        self._hyper_of(module),
                     )
                     if key in self._rules:
                         rule = self._rules[key]
@@ -457,7 +468,7 @@ class Monitor:
                 and grad.dtype in PROVABLE_DTYPES
             ):
                 m = frame.module
-                rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, _hyper(m))
+                rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, self._hyper_of(m))
                 if rkey in self._rules:
                     rule = self._rules[rkey]
                 else:
