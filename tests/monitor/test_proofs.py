@@ -173,16 +173,23 @@ class Net(nn.Module):
         return self.head(h)
 
 
+def _faults(mon: Monitor) -> list[tuple[str, str, str, str]]:
+    return [(f.phase, f.module, f.tensor, f.kind) for f in mon.faults]
+
+
+def _alerts(mon: Monitor) -> list[tuple[str, str, str, bool, bool]]:
+    return [(a.phase, a.module, a.tensor, a.has_nan, a.has_inf) for a in mon.alerts]
+
+
 def _verdicts(
     net: nn.Module, idx: torch.Tensor, extra: torch.Tensor, proofs: bool
-) -> tuple[list[tuple[str, str, str, str]], bool, int, int]:
+) -> tuple[object, bool, int, int]:
     torch.manual_seed(5)  # same dropout masks in both runs
     with Monitor(net, proofs=proofs) as mon:
         out = net(idx, extra)
         out.float().sum().backward()
-        faults = [(f.phase, f.module, f.tensor, f.kind) for f in mon.faults]
         sen = mon._sentinel
-        return faults, bool(mon.found_nonfinite), sen.reads, len(sen)
+        return (_faults(mon), _alerts(mon)), bool(mon.found_nonfinite), sen.reads, len(sen)
 
 
 def _inject(net: Net, case: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +232,7 @@ def test_proofs_never_change_a_verdict(dtype: torch.dtype, case: str) -> None:
         results.append(_verdicts(net, idx, extra, proofs))
     (f_read, flag_read, _, n0), (f_proof, flag_proof, reads, n1) = results
     assert f_proof == f_read and flag_proof == flag_read and n0 == n1
-    assert (f_read != []) == (case not in ("clean", "huge_but_finite", "middle_inplace_relu"))
+    assert (f_read[0] != []) == (case not in ("clean", "huge_but_finite", "middle_inplace_relu"))
     assert reads < n1  # something was proved
 
 
@@ -413,9 +420,7 @@ def _arch_run(arch: str, case: str, proofs: bool) -> tuple[list[tuple[str, str, 
         out = net(x)
         loss = out.float().sum() * (3e36 if case == "big_loss" else 1.0)
         loss.backward()
-        return [(f.phase, f.module, f.tensor, f.kind) for f in mon.faults], bool(
-            mon.found_nonfinite
-        )
+        return (_faults(mon), _alerts(mon)), bool(mon.found_nonfinite)
 
 
 @pytest.mark.parametrize("arch", ["cnn", "tied"])
@@ -426,6 +431,59 @@ def test_proofs_agree_with_reads_on_other_architectures(arch: str, case: str) ->
     # Where a fault was injected, it is seen (big_loss only checks agreement: near the
     # top of float32, gradients may or may not overflow).
     if case in ("overflow", "inf_param") or (case, arch) == ("nan_input", "cnn"):
-        assert with_reads[1] and with_reads[0]
+        assert with_reads[1] and with_reads[0][0]
     elif case == "clean":
-        assert with_reads == ([], False)
+        assert with_reads == (([], []), False)
+
+
+class GradBomb(nn.Module):
+    """Parent code that hooks a child's output and multiplies its gradient by inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        h = self.fc1(x)
+        h.register_hook(lambda g: g * float("inf"))
+        return self.fc2(h)
+
+
+def _tampered(case: str) -> nn.Module:
+    torch.manual_seed(0)
+    if case == "grad_hook":
+        return GradBomb()
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    if case == "forward_hook":  # fault injection the usual way
+        m[1].register_forward_hook(lambda mod, args, out: out * float("nan"))
+    elif case == "pre_hook":
+        m[1].register_forward_pre_hook(lambda mod, args: (args[0] * 1e38,))
+    elif case == "instance_forward":
+        m[1].forward = lambda x: torch.log(-x.abs() - 1)  # type: ignore[method-assign]
+    elif case == "weight_norm":
+        torch.nn.utils.weight_norm(m[1])  # weight made by a pre-hook, not a parameter
+        with torch.no_grad():
+            m[1].weight_g.fill_(float("inf"))
+    elif case == "backward_hook":
+        m[1].register_full_backward_hook(lambda mod, gi, go: (gi[0] * float("nan"),))
+    return m
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["forward_hook", "pre_hook", "instance_forward", "weight_norm", "backward_hook", "grad_hook"],
+)
+def test_tampered_modules_are_read_not_proved(case: str) -> None:
+    import warnings
+
+    results = []
+    for proofs in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # weight_norm's deprecation
+            m = _tampered(case)
+            with Monitor(m, proofs=proofs) as mon:
+                m(torch.full((3, 4), 3.0, requires_grad=True)).sum().backward()
+                results.append((_faults(mon), _alerts(mon)))
+    assert results[0] == results[1]  # every non-finite tensor, not only the births
+    assert results[1][0], "the injected fault must be found"

@@ -71,6 +71,36 @@ class _Frame:
     g_slot: int | None = None  # slot of the gradient that arrived at the output
 
 
+def _only_our_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` runs its class's own math and nothing else: no hook but ours (a
+    user's forward hook may replace the output, a pre-hook the input, a backward
+    hook the gradient), no global module hooks, no ``forward`` set on the instance.
+    Only then can its output be proved from what it was given."""
+    if len(m._forward_pre_hooks) != 1 or len(m._forward_hooks) != 1:
+        return False
+    if m._backward_hooks or m._backward_pre_hooks or "forward" in m.__dict__:
+        return False
+    g = torch.nn.modules.module
+    return not any(
+        getattr(g, name, None)
+        for name in (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
+
+
+def _nth_grad(
+    nr: int, fn: Callable[[torch.Tensor], None], grad_outputs: tuple[torch.Tensor | None, ...]
+) -> None:
+    """Node pre-hook: pass the gradient of output ``nr`` (if any) to ``fn``."""
+    g = grad_outputs[nr] if nr < len(grad_outputs) else None
+    if g is not None:
+        fn(g)
+
+
 def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype in force for ``t``'s device (None when autocast is off)."""
     dev = t.device.type
@@ -307,9 +337,12 @@ class Monitor:
     def _pre_hook(self, name: str, module: nn.Module) -> Callable[..., Any]:
         params = [(f"param:{n}", p) for n, p in module.named_parameters(recurse=False)]
         is_root = module is self.model
-        provable = id(module) in self._provable
+        rule_pnames = rule_params(module)
+        own = {n for n, _ in module.named_parameters(recurse=False)}
+        # A rule reads the module's own parameters; one computed by a pre-hook
+        # (old-style weight_norm, pruning) is not a parameter: no proof.
+        provable = id(module) in self._provable and all(n in own for n in rule_pnames)
         is_embedding = type(module) is nn.Embedding
-        rule_pnames = rule_params(module) if provable else []
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if is_root and not self._stack:
@@ -324,7 +357,7 @@ class Monitor:
             slots = [self._add_forward("fwd_input", path, role, t) for role, t in inputs]
             pslots = {role: self._add_forward("fwd_param", path, role, p) for role, p in params}
             frame: _Frame | None = None
-            if provable and self.proofs and len(inputs) <= 1:
+            if provable and self.proofs and len(inputs) <= 1 and _only_our_hooks(mod):
                 x = inputs[0][1] if inputs else None
                 cast = _autocast_dtype(x) if x is not None else None
                 if (
@@ -416,9 +449,17 @@ class Monitor:
                     else:
                         roles = [(path, gi_role)]
                         frames = [frame] if frame is not None else []
-                        t.register_hook(  # type: ignore[no-untyped-call]
-                            self._grad_hook("bwd_grad_output", roles, out_frames=frames)
-                        )
+                        on_grad = self._grad_hook("bwd_grad_output", roles, out_frames=frames)
+                        node = t.grad_fn
+                        if node is not None:
+                            # A pre-hook on the node that made t runs after every tensor
+                            # hook on t (a user's may rescale or replace the gradient):
+                            # it sees the gradient this module's backward consumes.
+                            node.register_prehook(
+                                functools.partial(_nth_grad, t.output_nr, on_grad)
+                            )
+                        else:
+                            t.register_hook(on_grad)  # type: ignore[no-untyped-call]
                         self._hooked[id(t)] = (weakref.ref(t), roles, frames)
             if on_top:
                 self._stack.pop()
