@@ -4,7 +4,8 @@ GPT: 4 layers, d=128, T=128, batch 16, on CPU; a step is forward + cross-entropy
 backward + SGD update. Contenders, each timed as the median over interleaved
 rounds (so drift on a shared machine hits every contender alike):
 
-- floatguard sentinel (default mode: proofs + reads), and the sentinel reading every
+- floatguard sentinel (default: proofs="auto", which on CPU proves forward outputs
+  and reads gradients), with proofs="all" (gradients proved too), and reading every
   tensor (``proofs=False``)
 - floatguard stats on every step, and stats every 10th step (on CPU with the one-pass
   C kernel when a compiler is available; the header says which)
@@ -72,6 +73,12 @@ def sentinel_reads(model: GPT) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def sentinel_all(model: GPT) -> Iterator[None]:
+    with Monitor(model, proofs="all"):
+        yield
+
+
 def stats_every(k: int) -> Callable[[GPT], AbstractContextManager[None]]:
     @contextmanager
     def ctx(model: GPT) -> Iterator[None]:
@@ -125,7 +132,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     contenders: dict[str, Callable[[GPT], AbstractContextManager[None]]] = {
         "unmonitored": nothing,
-        "floatguard sentinel": sentinel,
+        "floatguard sentinel (default: proofs='auto')": sentinel,
+        "floatguard sentinel, proofs='all'": sentinel_all,
         "floatguard sentinel, proofs=False (reads all)": sentinel_reads,
         "floatguard stats every step": stats_every(1),
         "floatguard stats every 10th step": stats_every(10),

@@ -318,23 +318,37 @@ def test_fp16_autocast_is_never_proved() -> None:
     assert mon._sentinel.reads == len(mon._sentinel)
 
 
-def test_proofs_spare_most_reads_of_a_gpt_step() -> None:
+def _gpt_coverage(proofs: bool | str) -> tuple[float, set[str]]:
+    """Share of the step's values proved, and the record kinds that were proved."""
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=20)
     torch.manual_seed(0)
     model = GPT(cfg)
     x, y = synthetic_batch(cfg, 4, generator=torch.Generator().manual_seed(0))
-    with Monitor(model) as mon:
+    with Monitor(model, proofs=proofs) as mon:  # type: ignore[arg-type]
         logits = model(x)
         F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1)).backward()
         sen = mon._sentinel
-        proved = [s for s in sen._slots if not isinstance(s, int)]
         assert mon.first_nonfinite is None and not bool(mon.found_nonfinite)
-    proved_values = sum(p.tensor.numel() for p in proved)
-    all_values = proved_values + sum(
-        math.prod(rec.shape) for rec in {r.slot: r for r in mon._records}.values()
-        if not sen.is_proof(rec.slot)
-    )  # fmt: skip
-    assert proved_values > 0.5 * all_values
+    first = {r.slot: r for r in reversed(mon._records)}  # the record that made each slot
+    proved = sum(math.prod(r.shape) for s, r in first.items() if sen.is_proof(s))
+    total = sum(math.prod(r.shape) for r in first.values())
+    kinds = {r.kind for s, r in first.items() if sen.is_proof(s)}
+    return proved / total, kinds
+
+
+def test_proofs_spare_most_reads_of_a_gpt_step() -> None:
+    share, kinds = _gpt_coverage("all")
+    assert share > 0.5 and kinds == {"fwd_output", "bwd_grad_input"}
+    share_fwd, kinds_fwd = _gpt_coverage("forward")
+    assert 0.15 < share_fwd < share and kinds_fwd == {"fwd_output"}
+    assert _gpt_coverage("off") == (0.0, set())
+    # auto: gradients are proved only off the CPU (keeping them costs page faults there)
+    assert _gpt_coverage("auto") == (share_fwd, kinds_fwd)
+
+
+def test_bad_proofs_argument() -> None:
+    with pytest.raises(ValueError, match="proofs='maybe'"):
+        Monitor(nn.Linear(2, 2), proofs="maybe")  # type: ignore[arg-type]
 
 
 class Poisoner(nn.Module):

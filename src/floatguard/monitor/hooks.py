@@ -29,6 +29,7 @@ from floatguard.stats import TensorStats, stats_and_aminmax
 __all__ = ["Monitor"]
 
 Mode = Literal["sentinel", "stats"]
+ProofMode = Literal["auto", "all", "forward", "off"]
 
 
 def _floats(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
@@ -147,16 +148,21 @@ class Monitor:
 
     ``mode="sentinel"`` (default) keeps one on-device record per watched tensor
     and nothing else: no statistics and no host sync inside forward or backward.
-    A record is a read (one ``torch.aminmax``) or, with ``proofs=True`` (default),
-    a *proof*: for ``Linear``, ``Conv1d/2d/3d``, ``LayerNorm``, ``RMSNorm``,
-    ``Embedding`` and elementwise activations / dropout in float32, float64 or
-    bfloat16 (not under float16 autocast), the output and the gradient sent back
-    to the input are bounded from records already made (the input's amax, the
-    parameters'), and a bound below the dtype's largest value proves them finite
-    without reading them (:mod:`floatguard.monitor.bounds`). Proved tensors are
-    kept (referenced, not copied) until the next step; a proof that does not
-    settle is read when you read the monitor, so every verdict stays exact.
-    ``proofs=False`` reads every tensor. ``mode="stats"`` also keeps a
+    A record is a read (one ``torch.aminmax``) or a *proof*: for ``Linear``,
+    ``Conv1d/2d/3d``, ``LayerNorm``, ``RMSNorm``, ``Embedding`` and elementwise
+    activations / dropout in float32, float64 or bfloat16 (not under float16
+    autocast), the output and the gradient sent back to the input are bounded
+    from records already made (the input's amax, the parameters'), and a bound
+    below the dtype's largest value proves them finite without reading them
+    (:mod:`floatguard.monitor.bounds`). Proved tensors are kept (referenced, not
+    copied) until the next step; a proof that does not settle is read when you
+    read the monitor, so every verdict stays exact.
+
+    ``proofs``: ``"all"`` (or True) proves outputs and gradients; ``"forward"``
+    outputs only; ``"off"`` (or False) reads every tensor; ``"auto"`` (default)
+    is ``"all"`` on accelerators and ``"forward"`` for CPU tensors, where keeping
+    gradients (memory autograd would reuse) costs glibc page faults comparable to
+    reading them (``benchmarks/bench_monitor.py``). ``mode="stats"`` also keeps a
     :class:`TensorStats` per record on every ``every``-th step (read in full on
     those steps), on device until read.
 
@@ -185,7 +191,7 @@ class Monitor:
         every: int = 1,
         formats: Sequence[str] = ("fp16", "bf16", "e4m3fn", "e5m2"),
         auto_step: bool = True,
-        proofs: bool = True,
+        proofs: bool | ProofMode = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module, got {type(model).__name__}")
@@ -214,7 +220,13 @@ class Monitor:
         self._analysis: list[Fault] | None = None
         self._last_grad: tuple[torch.Tensor, tuple[Any, ...], int] | None = None
         self._slot_stats: dict[int, TensorStats] = {}
-        self.proofs = proofs
+        modes = {True: "all", False: "off", "auto": "auto", "all": "all", "forward": "forward"}
+        if isinstance(proofs, bool) or proofs in ("auto", "all", "forward", "off"):
+            self.proofs: ProofMode = modes.get(proofs, "off")  # type: ignore[assignment]
+        else:
+            raise ValueError(
+                f"proofs={proofs!r}; use 'auto' (default), 'all', 'forward', 'off' or a bool"
+            )
         self._frames: list[_Frame | None] = []
         self._rules: dict[tuple[Any, ...], Rule | None] = {}
         self._hypers: dict[int, tuple[Any, ...]] = {}
@@ -357,7 +369,7 @@ class Monitor:
             slots = [self._add_forward("fwd_input", path, role, t) for role, t in inputs]
             pslots = {role: self._add_forward("fwd_param", path, role, p) for role, p in params}
             frame: _Frame | None = None
-            if provable and self.proofs and len(inputs) <= 1 and _only_our_hooks(mod):
+            if provable and self.proofs != "off" and len(inputs) <= 1 and _only_our_hooks(mod):
                 x = inputs[0][1] if inputs else None
                 cast = _autocast_dtype(x) if x is not None else None
                 if (
@@ -507,6 +519,7 @@ class Monitor:
                 and frame.g_slot is not None
                 and frame.x is not None
                 and grad.dtype in PROVABLE_DTYPES
+                and (self.proofs == "all" or (self.proofs == "auto" and grad.device.type != "cpu"))
             ):
                 m = frame.module
                 rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, self._hyper_of(m))
