@@ -4,9 +4,8 @@ GPT: 4 layers, d=128, T=128, batch 16, on CPU; a step is forward + cross-entropy
 backward + SGD update. Contenders, each timed as the median over interleaved
 rounds (so drift on a shared machine hits every contender alike):
 
-- floatguard sentinel (default: proofs="auto", which on CPU proves forward outputs
-  and reads gradients), with proofs="all" (gradients proved too), and reading every
-  tensor (``proofs=False``)
+- floatguard sentinel (default: proofs="all", outputs and gradients), with
+  proofs="forward" (gradients read), and reading every tensor (``proofs=False``)
 - floatguard stats on every step, and stats every 10th step (on CPU with the one-pass
   C kernel when a compiler is available; the header says which)
 - torch.autograd.detect_anomaly
@@ -74,8 +73,8 @@ def sentinel_reads(model: GPT) -> Iterator[None]:
 
 
 @contextmanager
-def sentinel_all(model: GPT) -> Iterator[None]:
-    with Monitor(model, proofs="all"):
+def sentinel_forward(model: GPT) -> Iterator[None]:
+    with Monitor(model, proofs="forward"):
         yield
 
 
@@ -132,8 +131,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     contenders: dict[str, Callable[[GPT], AbstractContextManager[None]]] = {
         "unmonitored": nothing,
-        "floatguard sentinel (default: proofs='auto')": sentinel,
-        "floatguard sentinel, proofs='all'": sentinel_all,
+        "floatguard sentinel (default: proofs='all')": sentinel,
+        "floatguard sentinel, proofs='forward'": sentinel_forward,
         "floatguard sentinel, proofs=False (reads all)": sentinel_reads,
         "floatguard stats every step": stats_every(1),
         "floatguard stats every 10th step": stats_every(10),

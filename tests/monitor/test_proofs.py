@@ -342,8 +342,7 @@ def test_proofs_spare_most_reads_of_a_gpt_step() -> None:
     share_fwd, kinds_fwd = _gpt_coverage("forward")
     assert 0.15 < share_fwd < share and kinds_fwd == {"fwd_output"}
     assert _gpt_coverage("off") == (0.0, set())
-    # auto: gradients are proved only off the CPU (keeping them costs page faults there)
-    assert _gpt_coverage("auto") == (share_fwd, kinds_fwd)
+    assert _gpt_coverage(True) == (share, kinds) and _gpt_coverage(False) == (0.0, set())
 
 
 def test_bad_proofs_argument() -> None:

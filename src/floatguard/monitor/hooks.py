@@ -29,7 +29,7 @@ from floatguard.stats import TensorStats, stats_and_aminmax
 __all__ = ["Monitor"]
 
 Mode = Literal["sentinel", "stats"]
-ProofMode = Literal["auto", "all", "forward", "off"]
+ProofMode = Literal["all", "forward", "off"]
 
 
 def _floats(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
@@ -158,11 +158,9 @@ class Monitor:
     copied) until the next step; a proof that does not settle is read when you
     read the monitor, so every verdict stays exact.
 
-    ``proofs``: ``"all"`` (or True) proves outputs and gradients; ``"forward"``
-    outputs only; ``"off"`` (or False) reads every tensor; ``"auto"`` (default)
-    is ``"all"`` on accelerators and ``"forward"`` for CPU tensors, where keeping
-    gradients (memory autograd would reuse) costs glibc page faults comparable to
-    reading them (``benchmarks/bench_monitor.py``). ``mode="stats"`` also keeps a
+    ``proofs``: ``"all"`` (default, or True) proves outputs and gradients;
+    ``"forward"`` outputs only (no gradient is kept); ``"off"`` (or False) reads
+    every tensor. ``mode="stats"`` also keeps a
     :class:`TensorStats` per record on every ``every``-th step (read in full on
     those steps), on device until read.
 
@@ -191,7 +189,7 @@ class Monitor:
         every: int = 1,
         formats: Sequence[str] = ("fp16", "bf16", "e4m3fn", "e5m2"),
         auto_step: bool = True,
-        proofs: bool | ProofMode = "auto",
+        proofs: bool | ProofMode = "all",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs an nn.Module, got {type(model).__name__}")
@@ -220,13 +218,11 @@ class Monitor:
         self._analysis: list[Fault] | None = None
         self._last_grad: tuple[torch.Tensor, tuple[Any, ...], int] | None = None
         self._slot_stats: dict[int, TensorStats] = {}
-        modes = {True: "all", False: "off", "auto": "auto", "all": "all", "forward": "forward"}
-        if isinstance(proofs, bool) or proofs in ("auto", "all", "forward", "off"):
+        modes = {True: "all", False: "off", "all": "all", "forward": "forward"}
+        if isinstance(proofs, bool) or proofs in ("all", "forward", "off"):
             self.proofs: ProofMode = modes.get(proofs, "off")  # type: ignore[assignment]
         else:
-            raise ValueError(
-                f"proofs={proofs!r}; use 'auto' (default), 'all', 'forward', 'off' or a bool"
-            )
+            raise ValueError(f"proofs={proofs!r}; use 'all' (default), 'forward', 'off' or a bool")
         self._frames: list[_Frame | None] = []
         self._rules: dict[tuple[Any, ...], Rule | None] = {}
         self._hypers: dict[int, tuple[Any, ...]] = {}
@@ -519,7 +515,7 @@ class Monitor:
                 and frame.g_slot is not None
                 and frame.x is not None
                 and grad.dtype in PROVABLE_DTYPES
-                and (self.proofs == "all" or (self.proofs == "auto" and grad.device.type != "cpu"))
+                and self.proofs == "all"
             ):
                 m = frame.module
                 rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, self._hyper_of(m))
