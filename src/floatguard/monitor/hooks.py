@@ -384,7 +384,7 @@ class Monitor:
                         deps,
                         acc,
                     )
-            if getattr(mod, "inplace", False) is True:
+            if mod.__dict__.get("inplace") is True:
                 # It will overwrite its input: a proof of that input must read it now.
                 for slot in slots:
                     self._sentinel.materialize(slot)

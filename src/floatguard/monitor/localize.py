@@ -62,7 +62,7 @@ class Alert:
     max: float | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """One watched tensor: what it was, where (call path), and its sentinel slot.
 
