@@ -33,6 +33,7 @@ EXP_MIN = -149
 EXP_MAX = 127
 """Exponent of the last histogram bin (float32's largest binade)."""
 _NBINS = EXP_MAX - EXP_MIN + 1
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -229,14 +230,18 @@ def stats_and_aminmax(
 ) -> tuple[TensorStats, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`tensor_stats` plus, when the one-pass kernel read it, the pair
     ``torch.aminmax(x)`` would give (so a caller needing both reads ``x`` once)."""
-    xf = x.detach().reshape(-1)
-    if xf.device.type == "cpu" and xf.dtype == torch.float16 and xf.numel():
-        xf = xf.float()
-    if xf.device.type == "cpu" and xf.dtype in (torch.float32, torch.bfloat16) and xf.numel():
-        native = _stats_native(xf)
-        if native is not None:
-            return native[0], (native[1], native[2])
+    native = _native_read(x)
+    if native is not None:
+        return native[0], (native[1], native[2])
     return tensor_stats(x), None
+
+
+def _native_read(x: torch.Tensor) -> tuple[TensorStats, torch.Tensor, torch.Tensor] | None:
+    """The one-pass kernel's answer for a non-empty CPU float32/bf16/fp16 tensor."""
+    if x.device.type != "cpu" or x.dtype not in _NATIVE_DTYPES or x.numel() == 0:
+        return None
+    xf = x.detach().reshape(-1)
+    return _stats_native(xf.float() if xf.dtype == torch.float16 else xf)
 
 
 def tensor_stats(x: torch.Tensor) -> TensorStats:
@@ -248,13 +253,10 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
         raise TypeError(f"tensor_stats expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"tensor_stats needs a floating-point tensor, got {x.dtype}")
+    native = _native_read(x)
+    if native is not None:
+        return native[0]
     xf = x.detach().reshape(-1)
-    if xf.device.type == "cpu" and xf.dtype == torch.float16 and xf.numel():
-        xf = xf.float()
-    if xf.device.type == "cpu" and xf.dtype in (torch.float32, torch.bfloat16) and xf.numel():
-        native = _stats_native(xf)
-        if native is not None:
-            return native[0]
     if xf.dtype not in (torch.float32, torch.float64):
         xf = xf.float()
     dev = xf.device
