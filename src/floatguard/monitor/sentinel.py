@@ -15,7 +15,6 @@ exact. Should the tensor have been modified in place before that read, its
 original values are gone and the record is reported as ``"inf"``: the bound
 said it could have overflowed.
 
-
 :meth:`Sentinel.flag` folds everything into one exact device bool without a host
 sync (it has to read what the proofs kept: without a host read it cannot know which
 proofs settled); :meth:`Sentinel.status_of` / :meth:`Sentinel.read` give the
