@@ -11,21 +11,25 @@ and in backward (the gradient it sends to its input).
 
 Every bound is a theorem about IEEE arithmetic in any summation order, not an
 estimate: for a dot product of length ``K`` the computed value satisfies
-``|fl(sum x_k w_k)| <= (1 + u)^(K + 3) * sum |x_k| |w_k|`` with ``u = 2^-8``
-(bfloat16 rounding: it covers bf16, TF32 and reduced-precision float32
-matmuls), bounded here by ``exp((K + 3) u)``. Normalisations use the bound that
-holds whatever the computed variance is, ``|x - mean| * rsqrt(var + eps) <=
-2 amax(x) / sqrt(eps)``, and elementwise activations their exact envelope
-(``|gelu(x)| <= |x|``, ``|tanh(x)| <= min(|x|, 1)``, ``sup |gelu'| < 1.13``...).
-Inputs beyond ``1e18`` in magnitude void every proof (squares and cubes inside
-the kernels could overflow there).
+``|fl(sum x_k w_k + b)| <= (1 + 2^-8)^3 (1 + u)^K (sum |x_k| |w_k| + |b|)``, where
+the ``2^-8`` terms cover inputs rounded to TF32 or bf16 and the output rounding,
+and ``u`` is the unit roundoff of the accumulation (:func:`accumulation_roundoff`:
+``2^-8`` wherever bfloat16 is involved, else float32's or float64's); ``(1 + u)^K``
+is bounded by ``exp(K u)``. Normalisations use the bound that holds for any
+non-negative computed variance (torch's kernels use Welford), ``|x - mean| *
+rsqrt(var + eps) <= 2 amax(x) / sqrt(eps)``, and elementwise activations their
+exact envelope (``|gelu(x)| <= |x|``, ``|tanh(x)| <= min(|x|, 1)``,
+``sup |gelu'| < 1.13``...). Normalisations of inputs with ``amax sqrt(D) >= 1e18``
+and tanh-GELU's backward beyond ``1e18`` are not proved (squares and cubes
+inside those kernels could overflow there).
 
 A proof only ever says "finite"; when it cannot (a bound reaches the format's
 range, or something it depends on was not finite) the monitor reads the
 retained tensor instead, so the verdict per tensor stays exact. Rules are
 written once over an ``ops`` pair (min and a finite-gate) so they evaluate on
-host floats after the step's one read, or on device tensors for the no-sync
-:attr:`Monitor.found_nonfinite`.
+host floats after the step's one read, or on device tensors (the no-sync
+:attr:`Monitor.found_nonfinite` uses them for a tensor modified in place since
+its proof).
 
 Only exact module types are proved (a subclass may override ``forward``), only
 with float32, float64 or bfloat16 data and parameters, and never under float16
