@@ -56,6 +56,7 @@ class Sentinel:
         self._maxs: list[torch.Tensor] = []
         self._slots: list[int | Proof] = []  # index into _mins/_maxs, or a proof
         self._widths: list[int] = []
+        self._flag: tuple[int, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -107,6 +108,7 @@ class Sentinel:
             self._maxs.append(hi)
 
     def clear(self) -> None:
+        self._flag = None
         self._mins.clear()
         self._maxs.clear()
         self._slots.clear()
@@ -222,6 +224,8 @@ class Sentinel:
         flag is asked for). A tensor modified in place since its proof counts as
         non-finite when its bound, evaluated on device, does not settle it.
         """
+        if self._flag is not None and self._flag[0] == len(self._slots):
+            return self._flag[1]  # no record since the last call: the same answer
         st = self._stacked()
         if st is None and not self._slots:
             return torch.zeros((), dtype=torch.bool)
@@ -260,6 +264,7 @@ class Sentinel:
                     )
                 )
                 bad = bad.to(ok.device) | ~ok
+        self._flag = (len(self._slots), bad)
         return bad
 
     def read(self) -> list[str]:
