@@ -62,7 +62,7 @@ PROVABLE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
 INF = math.inf
 U = 2.0**-8  # unit roundoff of bfloat16: the coarsest rounding these kernels may apply
 MARGIN = 1.0 + 2.0**-6  # elementwise functions: a few roundings, generously
-HUGE = 1e18  # amax beyond this voids a proof (x**2, x**3 inside kernels could overflow)
+HUGE = 1e18  # norms and tanh-GELU backward are not proved beyond this (x**2, x**3 inside)
 
 Bound = tuple[Any, Any]  # (amax bound, bound on the 2-norm of rows along the last dim)
 
