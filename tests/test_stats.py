@@ -139,3 +139,18 @@ def test_audit_accepts_torch_and_rejects_non_mappings() -> None:
     assert res["layer_reports"]["b"]["optimal_scale"] == 1.0
     with pytest.raises(TypeError, match="must be a mapping"):
         audit_tensor_numerics([torch.ones(2)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", ["coo", "coo_uncoalesced", "csr"])
+def test_sparse_tensor_stats_are_those_of_the_dense_tensor(layout: str) -> None:
+    idx = torch.tensor([[0, 1, 1, 2], [2, 0, 0, 1]])
+    val = torch.tensor([-3e38, 3e38, 3e38, 1e-42])  # (1, 0) twice: sums to inf
+    coo = torch.sparse_coo_tensor(idx, val, (4, 3))
+    x = {"coo": coo.coalesce(), "coo_uncoalesced": coo, "csr": coo.to_dense().to_sparse_csr()}[
+        layout
+    ]
+    got, want = tensor_stats(x), tensor_stats(x.to_dense())
+    for f in ("numel", "nan", "posinf", "neginf", "zeros", "amax", "min_nonzero", "min", "max"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert torch.equal(got.hist, want.hist)
+    assert int(got.posinf) == 1 and int(got.zeros) == 9

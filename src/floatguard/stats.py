@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -230,10 +230,28 @@ def stats_and_aminmax(
 ) -> tuple[TensorStats, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`tensor_stats` plus, when the one-pass kernel read it, the pair
     ``torch.aminmax(x)`` would give (so a caller needing both reads ``x`` once)."""
-    native = _native_read(x)
+    native = _native_read(x) if x.layout == torch.strided else None
     if native is not None:
         return native[0], (native[1], native[2])
     return tensor_stats(x), None
+
+
+def _sparse_stats(x: torch.Tensor) -> TensorStats:
+    """Stats of a sparse tensor: its stored values (coalesced: duplicate COO entries
+    are summed) plus the zeros it does not store."""
+    x = x.detach()
+    values = x.coalesce().values() if x.layout == torch.sparse_coo else x.values()
+    s = tensor_stats(values)
+    implicit = x.numel() - values.numel()
+    if implicit <= 0:
+        return s
+    return replace(
+        s,
+        numel=torch.full_like(s.numel, x.numel()),
+        zeros=s.zeros + implicit,
+        min=s.min.clamp(max=0.0),
+        max=s.max.clamp(min=0.0),
+    )
 
 
 def _native_read(x: torch.Tensor) -> tuple[TensorStats, torch.Tensor, torch.Tensor] | None:
@@ -247,12 +265,17 @@ def _native_read(x: torch.Tensor) -> tuple[TensorStats, torch.Tensor, torch.Tens
 def tensor_stats(x: torch.Tensor) -> TensorStats:
     """Read ``x`` into a :class:`TensorStats` on its device, without a host sync.
 
-    Half inputs are read in float32; integer and bool tensors raise TypeError.
+    Half inputs are read in float32; integer, bool and complex tensors raise
+    TypeError (pass ``torch.view_as_real(z)`` for a complex one's components). A
+    sparse tensor's stats are those of the dense tensor it stands for: its stored
+    values, coalesced, plus the zeros it does not store.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tensor_stats expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"tensor_stats needs a floating-point tensor, got {x.dtype}")
+    if x.layout != torch.strided:
+        return _sparse_stats(x)
     native = _native_read(x)
     if native is not None:
         return native[0]

@@ -66,6 +66,12 @@ def test_stats_mode_every_k_and_alerts() -> None:
         and ("0", "grad_input[0]") not in st
     )
     assert ("1", "grad_output[0]") in st and int(st[("0", "output[0]")].numel) == 12
+    # a parameter and its gradient are kept apart
+    w = model[2].weight
+    assert w.grad is not None
+    assert float(st[("2", "param:weight")].amax) == float(w.detach().abs().max())
+    assert float(st[("2", "param:weight.grad")].amax) == float(w.grad.abs().max())
+    assert int(st[("2", "param:weight")].numel) == int(st[("2", "param:weight.grad")].numel) == 8
     model(x).sum().backward()  # step 1: no stats
     assert mon.step == 1 and mon.stats == {}
     x_bad = x.clone()

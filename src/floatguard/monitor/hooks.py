@@ -32,20 +32,47 @@ Mode = Literal["sentinel", "stats"]
 ProofMode = Literal["all", "forward", "off"]
 
 
+def _watched(t: torch.Tensor) -> bool:
+    """Floating and complex tensors are watched (a complex one through its real view);
+    integer and bool tensors are not."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def _floats(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     """``list(_walk(obj, prefix))``, with the common cases (one tensor, a tuple of
     tensors) taken without the generator."""
     if isinstance(obj, torch.Tensor):
-        return [(prefix, obj)] if obj.is_floating_point() else []
+        return [(prefix, obj)] if _watched(obj) else []
     if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
-        return [(f"{prefix}[{i}]", o) for i, o in enumerate(obj) if o.is_floating_point()]
+        return [(f"{prefix}[{i}]", o) for i, o in enumerate(obj) if _watched(o)]
     return list(_walk(obj, prefix))
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """A strided real tensor holding exactly ``t``'s stored values: the real view of a
+    complex tensor, the values of a sparse one (coalesced first: duplicate COO
+    entries are summed, and the sum is what the tensor holds)."""
+    if t.layout != torch.strided:
+        t = t.detach()
+        t = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
+    return t
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, or None for an inference tensor (which has none: it can
+    be neither aliased by version nor proved)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(role, tensor) for every floating tensor nested in tuples, lists, dicts, dataclasses."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
+        if _watched(obj):
             yield prefix, obj
     elif isinstance(obj, (tuple, list)):
         for i, item in enumerate(obj):
@@ -131,9 +158,9 @@ def _hyper(m: nn.Module) -> tuple[Any, ...]:
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Rebuild tuples/lists/dicts with ``fn`` applied to their floating tensors."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj) if obj.is_floating_point() else obj
+        return fn(obj) if _watched(obj) else obj
     if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
-        return tuple(fn(o) if o.is_floating_point() else o for o in obj)  # the common case
+        return tuple(fn(o) if _watched(o) else o for o in obj)  # the common case
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_map(o, fn) for o in obj)
     if isinstance(obj, list):
@@ -311,11 +338,16 @@ class Monitor:
         stats: TensorStats | None = None
         if proof is not None and not stats_on:
             slot = self._sentinel.prove(t, proof[0], proof[1])
-        elif stats_on:
-            stats, minmax = stats_and_aminmax(t)  # one read for both where it can
-            slot = self._sentinel.add(t, minmax)
         else:
-            slot = self._sentinel.add(t)
+            r = t if t.layout == torch.strided and not t.is_complex() else _readable(t)
+            if stats_on:
+                # one read for both where it can; a sparse tensor's stats count the
+                # zeros it does not store
+                sparse = t.layout != torch.strided and not t.is_complex()
+                stats, minmax = stats_and_aminmax(t if sparse else r)
+                slot = self._sentinel.add(r, minmax)
+            else:
+                slot = self._sentinel.add(r)
         rec = Record(kind, [(path, role)], slot, tuple(t.shape))
         if stats is not None:
             rec.stats = self._slot_stats[rec.slot] = stats
@@ -332,14 +364,19 @@ class Monitor:
         proof: tuple[Rule, list[int]] | None = None,
     ) -> int:
         key = id(t)
+        version = _version(t)
+        if version is None:  # an inference tensor: read it, every time it is seen
+            return self._add(kind, path, role, t).slot
         hit = self._seen.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
+        if hit is not None and hit[0]() is t and hit[1] == version:
             # Already checked this step (e.g. the previous module's output): alias it.
             stats = self._slot_stats.get(hit[2])
             self._records.append(Record(kind, [(path, role)], hit[2], tuple(t.shape), stats))
             return hit[2]
+        if proof is not None and (t.layout != torch.strided or t.is_complex()):
+            proof = None
         rec = self._add(kind, path, role, t, proof)
-        self._seen[key] = (weakref.ref(t), t._version, rec.slot)
+        self._seen[key] = (weakref.ref(t), version, rec.slot)
         return rec.slot
 
     def _pre_hook(self, name: str, module: nn.Module) -> Callable[..., Any]:
@@ -407,8 +444,19 @@ class Monitor:
                     # Same memory, same version counter: what the module's children see
                     # through the view was checked as the module's input.
                     self._seen[id(v)] = (weakref.ref(v), v._version, hit[2])
-                hook = self._grad_hook(
-                    "bwd_grad_input", [(path, f"grad_input[{i}]")], frame if t is x else None
+                # A module may return this very view (an identity, dropout with p=0):
+                # then its gradient arrives here before any node hook could see it as
+                # the module's grad_output. The post-hook files those roles in
+                # ``before`` (through _hooked), recorded ahead of the grad_input.
+                before: tuple[list[tuple[tuple[str, ...], str]], list[_Frame]] = ([], [])
+                self._hooked[id(v)] = (weakref.ref(v), before[0], before[1])
+                hook = functools.partial(
+                    self._on_grad,
+                    "bwd_grad_input",
+                    [(path, f"grad_input[{i}]")],
+                    frame if t is x else None,
+                    None,
+                    before,
                 )
                 v.register_hook(hook)  # type: ignore[no-untyped-call]
                 return v
@@ -483,7 +531,7 @@ class Monitor:
         out_frames: list[_Frame] | None = None,
     ) -> Callable[[torch.Tensor], None]:
         # A partial, not a closure: one is made per watched tensor per step.
-        return functools.partial(self._on_grad, kind, roles, frame, out_frames)
+        return functools.partial(self._on_grad, kind, roles, frame, out_frames, None)
 
     def _on_grad(
         self,
@@ -491,18 +539,27 @@ class Monitor:
         roles: list[tuple[tuple[str, ...], str]],
         frame: _Frame | None,
         out_frames: list[_Frame] | None,
+        before: tuple[list[tuple[tuple[str, ...], str]], list[_Frame]] | None,
         grad: torch.Tensor,
     ) -> None:
         self._backward_seen = True
-        if grad is None or not grad.is_floating_point():
+        if grad is None or not _watched(grad):
             return
+        if before is not None and before[0]:
+            # The module returned its input view: this gradient is its grad_output too.
+            self._on_grad("bwd_grad_output", before[0], None, before[1], None, grad)
         # The gradient a module sends to its input view usually arrives, as a view of
         # the same memory, at the previous module's output right after: check it once.
         # The last checked gradient is held (one buffer at most), so its memory cannot
         # have been reused: equal (address, layout, version) means equal values.
-        key = (grad.data_ptr(), grad.shape, grad.stride(), grad.dtype, grad._version)
+        strided = grad.layout == torch.strided
+        key = (
+            (grad.data_ptr(), grad.shape, grad.stride(), grad.dtype, grad._version)
+            if strided
+            else None
+        )
         last = self._last_grad
-        if last is not None and last[1] == key:
+        if key is not None and last is not None and last[1] == key:
             slot = last[2]
             self._records.append(
                 Record(kind, roles, slot, tuple(grad.shape), self._slot_stats.get(slot))
@@ -515,6 +572,7 @@ class Monitor:
                 and frame.g_slot is not None
                 and frame.x is not None
                 and grad.dtype in PROVABLE_DTYPES
+                and strided
                 and self.proofs == "all"
             ):
                 m = frame.module
@@ -529,7 +587,8 @@ class Monitor:
             rec = self._add(kind, roles[0][0], roles[0][1], grad, proof)
             rec.paths = roles
             slot = rec.slot
-            self._last_grad = (grad, key, slot)
+            if key is not None:
+                self._last_grad = (grad, key, slot)
         if out_frames:
             for f in out_frames:
                 f.g_slot = slot
@@ -543,7 +602,8 @@ class Monitor:
 
         def hook(grad: torch.Tensor) -> None:
             self._backward_seen = True
-            self._add("bwd_param_grad", path, f"param:{pname}", grad)
+            if grad is not None and _watched(grad):
+                self._add("bwd_param_grad", path, f"param:{pname}", grad)
             return None
 
         return hook
@@ -622,12 +682,17 @@ class Monitor:
 
     @property
     def stats(self) -> dict[tuple[str, str], TensorStats]:
-        """Stats mode: ``{(module, role): TensorStats}`` of this step (merged over repeats)."""
+        """Stats mode: ``{(module, role): TensorStats}`` of this step (merged over repeats).
+
+        A parameter's values are under ``"param:weight"``, its gradient under
+        ``"param:weight.grad"``."""
         out: dict[tuple[str, str], TensorStats] = {}
         for rec in self._records:
             if rec.stats is None:
                 continue
             path, role = rec.paths[0]
+            if rec.kind == "bwd_param_grad":
+                role += ".grad"
             key = (path[-1] if path else "", role)
             out[key] = out[key].merge(rec.stats) if key in out else rec.stats
         return out

@@ -98,6 +98,14 @@ def localize(records: list[Record], status: list[str], step: int) -> list[Fault]
     fwd: set[str] = set()
     bwd: set[str] = set()
     any_forward_bad = False
+    # Modules that ran this step. A parameter of one that did not (its owner used it
+    # directly: nn.MultiheadAttention's out_proj, a tied weight) gets its gradient
+    # from the nearest ancestor that ran, which is checked in its stead.
+    called = {
+        rec.paths[0][0][-1]
+        for rec in records
+        if rec.kind in ("fwd_input", "fwd_param", "fwd_output") and rec.paths[0][0]
+    }
 
     def taint(path: tuple[str, ...], into: set[str]) -> None:
         into.update(path)
@@ -153,7 +161,10 @@ def localize(records: list[Record], status: list[str], step: int) -> list[Fault]
         elif rec.kind in ("bwd_param_grad", "bwd_grad_input"):
             # A module whose forward already saw non-finite values computes its backward
             # from them: what it produces is a consequence, not a new fault.
-            if name not in bwd and name not in fwd:
+            ran = name
+            if rec.kind == "bwd_param_grad" and name not in called:
+                ran = next((p for p in reversed(path) if p in called), name)
+            if ran not in bwd and ran not in fwd:
                 add("param_grad" if rec.kind == "bwd_param_grad" else "backward", name, role)
             taint(path, bwd)
     return faults
