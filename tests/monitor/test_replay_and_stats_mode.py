@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -100,3 +101,72 @@ def test_sentinel_alerts_have_flags_without_extremes() -> None:
     a = mon.alerts[0]
     assert a.module == "1" and a.tensor == "output[0]" and a.shape == (2, 4)
     assert a.min is None and (a.has_nan or a.has_inf)
+
+
+def test_replay_judges_an_in_place_op_by_its_inputs_before_it_ran() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def step() -> None:
+        h = lin(torch.randn(2, 4)) * 1
+        h.div_(h * 0)  # finite / 0 -> inf, written over its own input
+        h.sum().backward()
+
+    r = replay(step)
+    assert r is not None
+    assert (r.op, r.phase, r.kind) == ("aten.div_.Tensor", "forward", "inf")
+    assert r.source is not None and "h.div_(h * 0)" in r.source
+    assert int(r.inputs[0].posinf) == 0 and int(r.outputs[0].posinf) > 0
+
+
+def test_replay_finds_the_nan_of_a_fully_masked_attention_row() -> None:
+    """The -inf fill is intended; the softmax that turns a row of -inf into NaN is not."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1] = True
+    r = replay(lambda: mha(x, x, x, key_padding_mask=mask)[0].sum().backward())
+    assert r is not None and r.phase == "forward" and r.kind == "nan"
+    assert "softmax" in r.op
+    assert int(r.inputs[0].neginf) > 0 and int(r.inputs[0].nan) == 0
+
+
+def test_replay_does_not_read_out_buffers_as_inputs() -> None:
+    def step() -> None:
+        a = torch.tensor([1.0, 100.0, -3.0])
+        o = torch.full((3,), float("nan"))  # stale buffer content is not an input
+        torch.exp(a * 10, out=o)
+
+    r = replay(step)
+    assert r is not None and (r.op, r.kind) == ("aten.exp.out", "inf")
+
+
+def test_replay_reads_sparse_gradients_as_the_tensor_they_stand_for() -> None:
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+
+    def step(idx: torch.Tensor) -> None:
+        (emb(idx) * 1).sum().backward(torch.tensor(3e38))
+
+    assert replay(lambda: step(torch.tensor([1, 2, 3]))) is None
+    r = replay(lambda: step(torch.tensor([1, 2, 1])))  # the two rows of token 1 sum to inf
+    assert r is not None and r.phase == "backward" and r.kind == "inf"
+    assert "sparse" in r.op  # the op that assembles the rows into one sparse tensor
+
+
+def test_replay_keeps_what_it_found_when_the_step_raises() -> None:
+    def step() -> None:
+        loss = torch.log(torch.zeros(3) - 1).sum()
+        if not torch.isfinite(loss):
+            raise FloatingPointError("loss is nan")
+
+    with pytest.warns(RuntimeWarning, match="FloatingPointError"):
+        r = replay(step)
+    assert r is not None and r.op == "aten.log.default"
+
+    def broken() -> None:
+        raise KeyError("unrelated")
+
+    with pytest.raises(KeyError):
+        replay(broken)

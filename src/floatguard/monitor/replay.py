@@ -1,13 +1,18 @@
 """Op-level replay: re-run a step under a dispatch mode and name the first aten op that broke.
 
 Every aten op the step runs, forward and backward, passes through a
-``TorchDispatchMode``; the first one whose floating tensor inputs are all finite
-and whose output is not is reported (fill-type ops given a non-finite fill value,
-such as a mask filled with -inf, are intended and skipped), with statistics
-of its inputs and outputs and the line of user code that called it (for
-backward ops, the forward line that created the autograd node, recorded by
-anomaly mode's traceback). Every op's inputs are read on the host: this is a
-debugging tool that costs nothing until you call it.
+``TorchDispatchMode``; the first one whose floating (or complex) tensor inputs
+are all finite and whose output is not is reported, or, where an input held
+±inf but no NaN, the first whose output holds a NaN (a softmax over a row that
+an intended -inf mask filled entirely). Fill-type ops given a non-finite fill
+value, such as a mask filled with -inf, are intended and skipped. Inputs are
+judged before the op runs (an in-place op overwrites them); ``out=`` buffers
+are not inputs; a sparse tensor is judged by the dense tensor it stands for
+(duplicate entries summed). The result carries statistics of the op's inputs
+and outputs and the line of user code that called it (for backward ops, the
+forward line that created the autograd node, recorded by anomaly mode's
+traceback). Every op's inputs are read on the host: this is a debugging tool
+that costs nothing until you call it.
 """
 
 from __future__ import annotations
@@ -96,30 +101,69 @@ def _from_anomaly_trace(node: Any) -> str | None:
 
 def _floats(obj: Any) -> tuple[list[torch.Tensor], list[float]]:
     leaves, _ = tree_flatten(obj)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    tensors = [
+        _dense(x)
+        for x in leaves
+        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+    ]
     scalars = [float(x) for x in leaves if isinstance(x, float)]
     return tensors, scalars
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """The values a check reads: a sparse tensor's stored values (coalesced, so that
+    duplicate entries are summed as the tensor means them), a complex one's real view."""
+    if t.layout != torch.strided:
+        t = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
+    return t
+
+
+_OUT_ARGS: dict[Any, frozenset[str]] = {}
+
+
+def _out_args(func: Any) -> frozenset[str]:
+    """Names of ``func``'s ``out=`` arguments: buffers it writes, not inputs."""
+    names = _OUT_ARGS.get(func)
+    if names is None:
+        schema = getattr(func, "_schema", None)
+        args = getattr(schema, "arguments", ())
+        names = _OUT_ARGS[func] = frozenset(a.name for a in args if getattr(a, "is_out", False))
+    return names
+
+
 class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The birth rule, per op: finite inputs and a non-finite output, or inputs free of
+    NaN (an intended -inf mask, say) and a NaN output. Inputs are judged before the op
+    runs (an in-place op overwrites them); ``out=`` buffers are not inputs."""
+
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.found: ReplayResult | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if self.found is not None:
-            return out
+            return func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         if name in _SKIP:
-            return out
-        in_t, in_s = _floats((args, kwargs))
+            return func(*args, **kwargs)
+        outs = _out_args(func)
+        ins = {k: v for k, v in kwargs.items() if k not in outs} if outs else kwargs
+        in_t, in_s = _floats((args, ins))
+        if name in _FILLS and any(not math.isfinite(v) for v in in_s):
+            return func(*args, **kwargs)  # a mask filled with -inf: intended
+        finite = all(bool(torch.isfinite(t).all()) for t in in_t)
+        if not finite and any(bool(torch.isnan(t).any()) for t in in_t):
+            return func(*args, **kwargs)  # NaN in, NaN out: a consequence
+        stats_in = [tensor_stats(t) for t in in_t]  # before an in-place op changes them
+        out = func(*args, **kwargs)
         out_t, _ = _floats(out)
-        if not out_t or (name in _FILLS and any(not math.isfinite(v) for v in in_s)):
-            return out
-        if any(not bool(torch.isfinite(t).all()) for t in in_t):
-            return out
-        bad = [t for t in out_t if not bool(torch.isfinite(t).all())]
+        if finite:
+            bad = [t for t in out_t if not bool(torch.isfinite(t).all())]
+        else:
+            bad = [t for t in out_t if bool(torch.isnan(t).any())]
         if not bad:
             return out
         kind: Literal["nan", "inf"] = (
@@ -137,7 +181,7 @@ class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
             phase=phase,
             kind=kind,
             source=source,
-            inputs=[tensor_stats(t) for t in in_t],
+            inputs=stats_in,
             outputs=[tensor_stats(t) for t in out_t],
         )
         return out
@@ -149,8 +193,19 @@ def _run_once(step_fn: Callable[[], object]) -> ReplayResult | None:
     # the user line that created them; check_nan=False keeps it from raising.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-        with torch.autograd.detect_anomaly(check_nan=False), mode:
-            step_fn()
+        try:
+            with torch.autograd.detect_anomaly(check_nan=False), mode:
+                step_fn()
+        except Exception as exc:
+            if mode.found is None:
+                raise
+            # A step that stops on a non-finite loss is expected here: what it found counts.
+            warnings.warn(
+                f"replay: step_fn raised {type(exc).__name__}: {exc} after {mode.found.op} "
+                "produced the first non-finite value; returning that op",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return mode.found
 
 
@@ -160,7 +215,9 @@ def replay(step_fn: Callable[[], object], *, repeat: int = 1) -> ReplayResult | 
 
     With ``repeat=2`` (or more) the step runs again and ``deterministic`` says whether
     the same op at the same line was first every time. ``step_fn`` should only compute
-    (no optimizer step), since it runs ``repeat`` times.
+    (no optimizer step), since it runs ``repeat`` times. If ``step_fn`` raises after
+    the first non-finite op was found (a step that stops on a NaN loss), the op is
+    returned with a RuntimeWarning naming the exception; before that, it propagates.
     """
     if not callable(step_fn):
         raise TypeError(f"replay needs a callable, got {type(step_fn).__name__}")
