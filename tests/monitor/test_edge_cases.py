@@ -255,3 +255,36 @@ def test_stats_mode_counts_the_zeros_a_sparse_gradient_does_not_store() -> None:
     assert int(got.numel) == dense.numel() == 40
     assert int(got.zeros) == int((dense == 0).sum())  # 7 rows never looked up
     assert float(got.max) == float(dense.max()) and float(got.min) == float(dense.min())
+
+
+@pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
+def test_a_compiled_model_is_watched_module_by_module(order: str) -> None:
+    """torch.compile does not trace the hooks (each is a graph break): the records and
+    verdicts are those of the eager model."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+    x = torch.randn(2, 4)
+    if order == "compile_then_attach":
+        compiled = torch.compile(net, backend="eager")
+        mon = Monitor(compiled).attach()
+        prefix = "_orig_mod."
+    else:
+        mon = Monitor(net).attach()
+        compiled = torch.compile(net, backend="eager")
+        prefix = ""
+    try:
+        compiled(x).sum().backward()
+        assert mon.faults == []
+        with torch.no_grad():
+            net[2].weight.fill_(float("nan"))
+        compiled(x).sum().backward()
+        assert where(mon.faults) == [(prefix + "2", "forward", "nan", "param:weight")]
+        with torch.no_grad():
+            net[2].weight.fill_(1.0)
+        x_bad = x.clone()
+        x_bad[0, 0] = float("inf")
+        compiled(x_bad).sum().backward()
+        assert where(mon.faults)[0] == ("", "input", "inf", "input[0]")
+    finally:
+        mon.detach()
+        torch._dynamo.reset()

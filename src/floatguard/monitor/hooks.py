@@ -264,12 +264,17 @@ class Monitor:
         """Register the hooks (idempotent)."""
         if self._handles:
             return self
+        # torch.compile must not trace the hooks (they keep host-side records, and
+        # would guard on every tensor's identity): each runs eagerly, a graph break.
+        off = torch.compiler.disable
         for name, mod in self.model.named_modules():
             self._handles.append(
-                mod.register_forward_pre_hook(self._pre_hook(name, mod), with_kwargs=True)
+                mod.register_forward_pre_hook(off(self._pre_hook(name, mod)), with_kwargs=True)
             )
             self._handles.append(
-                mod.register_forward_hook(self._post_hook(name), with_kwargs=True, always_call=True)
+                mod.register_forward_hook(
+                    off(self._post_hook(name)), with_kwargs=True, always_call=True
+                )
             )
         seen: set[int] = set()
         for mname, mod in self.model.named_modules():
