@@ -120,6 +120,14 @@ def _only_our_hooks(m: nn.Module) -> bool:
     )
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, never traced by torch.compile: the hooks keep host-side records (and
+    would make dynamo guard on every tensor's identity), so each runs eagerly, as a
+    graph break. Costs ~0.4 us per call in eager mode."""
+    eager: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+    return eager
+
+
 def _nth_grad(
     nr: int, fn: Callable[[torch.Tensor], None], grad_outputs: tuple[torch.Tensor | None, ...]
 ) -> None:
@@ -264,9 +272,7 @@ class Monitor:
         """Register the hooks (idempotent)."""
         if self._handles:
             return self
-        # torch.compile must not trace the hooks (they keep host-side records, and
-        # would guard on every tensor's identity): each runs eagerly, a graph break.
-        off = torch.compiler.disable
+        off = _eager
         for name, mod in self.model.named_modules():
             self._handles.append(
                 mod.register_forward_pre_hook(off(self._pre_hook(name, mod)), with_kwargs=True)
