@@ -154,3 +154,17 @@ def test_sparse_tensor_stats_are_those_of_the_dense_tensor(layout: str) -> None:
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     assert torch.equal(got.hist, want.hist)
     assert int(got.posinf) == 1 and int(got.zeros) == 9
+
+
+def test_packed_fp4_stats_match_ml_dtypes() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no packed FP4 dtype")
+    codes = np.arange(256, dtype=np.uint8)  # every pair of E2M1 codes
+    packed = torch.from_numpy(codes.copy()).view(torch.float4_e2m1fn_x2)
+    low = (codes & 0xF).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    high = (codes >> 4).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    got, want = tensor_stats(packed), tensor_stats(torch.from_numpy(np.concatenate([low, high])))
+    for f in ("numel", "nan", "posinf", "zeros", "amax", "min_nonzero", "min", "max", "hist"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert int(got.numel) == 512 and float(got.amax) == 6.0

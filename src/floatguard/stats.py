@@ -236,6 +236,21 @@ def stats_and_aminmax(
     return tensor_stats(x), None
 
 
+def _unpack_fp4(x: torch.Tensor) -> torch.Tensor:
+    """The values of a packed FP4 tensor (two E2M1 codes per byte), in float32,
+    decoded on its device (OCP MX spec v1.0: bit 3 sign, bits 2-1 exponent with bias 1,
+    bit 0 mantissa; exponent 0 is subnormal, 0 or 0.5). Stats do not depend on
+    order, so the two nibbles are simply concatenated."""
+    codes = x.detach().view(torch.uint8).reshape(-1)
+    c = torch.cat([codes & 0xF, codes >> 4]).float()
+    sign = torch.where(c >= 8, -1.0, 1.0)
+    mag = torch.remainder(c, 8)
+    e = torch.floor(mag / 2)
+    m = mag - 2 * e
+    value = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m))
+    return sign * value
+
+
 def _sparse_stats(x: torch.Tensor) -> TensorStats:
     """Stats of a sparse tensor: its stored values (coalesced: duplicate COO entries
     are summed) plus the zeros it does not store."""
@@ -276,6 +291,8 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
         raise TypeError(f"tensor_stats needs a floating-point tensor, got {x.dtype}")
     if x.layout != torch.strided:
         return _sparse_stats(x)
+    if str(x.dtype) == "torch.float4_e2m1fn_x2":
+        x = _unpack_fp4(x)
     native = _native_read(x)
     if native is not None:
         return native[0]

@@ -288,3 +288,32 @@ def test_a_compiled_model_is_watched_module_by_module(order: str) -> None:
     finally:
         mon.detach()
         torch._dynamo.reset()
+
+
+@PROOFS
+@pytest.mark.parametrize("stats", [False, True])
+def test_float8_tensors_are_read(proofs: str, stats: bool) -> None:
+    """8-bit floats have no aminmax kernel: they are read through float32 (exact)."""
+
+    class Cast(nn.Module):
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.dtype = dtype
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return x.to(self.dtype)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(4, 4), Cast(torch.float8_e5m2), Cast(torch.float32), nn.Linear(4, 1)
+    )
+    mode = "stats" if stats else "sentinel"
+    with Monitor(net, mode=mode, proofs=proofs) as mon:  # type: ignore[arg-type]
+        net(torch.randn(2, 4)).sum().backward()
+        assert mon.faults == []
+        with torch.no_grad():
+            net[0].weight.fill_(1e4)  # outputs ~4e4..1e5: beyond E5M2's 57344 -> inf
+        net(torch.ones(2, 4) * 3).sum().backward()
+        assert where(mon.faults)[0] == ("1", "forward", "inf", "output[0]")
+        if stats:
+            assert int(mon.stats[("1", "output[0]")].posinf) == 8

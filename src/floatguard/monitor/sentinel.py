@@ -34,6 +34,18 @@ from floatguard.monitor.bounds import DEVICE, HOST, INF, Bound, Rule
 __all__ = ["Proof", "Sentinel"]
 
 _LIMITS: dict[torch.dtype, float] = {}
+# 8-bit float dtypes have no aminmax kernel: read in float32, which holds each of
+# their values (NaN and inf included) exactly.
+_WIDEN = frozenset(
+    getattr(torch, n)
+    for n in (
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    )
+    if hasattr(torch, n)
+)  # fmt: skip
+# Packed FP4 (E2M1, two per byte) has no NaN or inf and no |value| above 6: finite by
+# construction, recorded as the bound [-6, 6] without a read.
+_FP4 = frozenset(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
 
 
 @dataclass
@@ -74,6 +86,11 @@ class Sentinel:
         elif t.numel() == 0:
             z = torch.zeros((), dtype=t.dtype, device=t.device)
             lo, hi = z, z
+        elif t.dtype in _WIDEN:
+            lo, hi = torch.aminmax(t.detach().float())
+        elif t.dtype in _FP4:
+            hi = torch.full((), 6.0, device=t.device)
+            lo = -hi
         else:
             lo, hi = torch.aminmax(t.detach())
         self._slots.append(len(self._mins))
