@@ -317,3 +317,43 @@ def test_float8_tensors_are_read(proofs: str, stats: bool) -> None:
         assert where(mon.faults)[0] == ("1", "forward", "inf", "output[0]")
         if stats:
             assert int(mon.stats[("1", "output[0]")].posinf) == 8
+
+
+@PROOFS
+def test_a_module_returning_its_own_parameter(proofs: str) -> None:
+    """A leaf output has no node to hook and its parameter hooks fire first: the module
+    returns a view of it, so its gradient is seen as grad_output before the parameter's
+    gradient, and no hook outlives the step."""
+
+    class Query(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.randn(4))
+
+        def forward(self):  # type: ignore[no-untyped-def]
+            return self.q
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = Query()
+            self.bad = Lambda(NaNBackward.apply)
+            self.out = nn.Linear(4, 1)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return self.out(self.bad(x * self.query()))
+
+    torch.manual_seed(0)
+    net = Net()
+    with Monitor(net, proofs=proofs) as mon:  # type: ignore[arg-type]
+        counts = []
+        for _ in range(3):
+            net(torch.randn(2, 4)).sum().backward()
+            counts.append(len(mon._records))
+            assert where(mon.faults) == [("bad", "backward", "nan", "grad_input[0]")]
+        assert counts[0] == counts[1] == counts[2]
+        net.zero_grad()
+        net(torch.randn(2, 4)).sum().backward()
+    assert not net.query.q._backward_hooks  # nothing left behind
+    # the parameter's value is unchanged and still trains
+    assert isinstance(net.query.q.grad, torch.Tensor)

@@ -259,6 +259,7 @@ class Monitor:
         else:
             raise ValueError(f"proofs={proofs!r}; use 'all' (default), 'forward', 'off' or a bool")
         self._frames: list[_Frame | None] = []
+        self._step_handles: list[RemovableHandle] = []  # hooks on leaves, for one step
         self._rules: dict[tuple[Any, ...], Rule | None] = {}
         self._hypers: dict[int, tuple[Any, ...]] = {}
         self._provable = {id(m) for m in model.modules() if provable_type(m)}
@@ -293,9 +294,10 @@ class Monitor:
 
     def detach(self) -> None:
         """Remove every hook. Records of the current step stay readable."""
-        for h in self._handles:
+        for h in self._handles + self._step_handles:
             h.remove()
         self._handles.clear()
+        self._step_handles.clear()
         self._stack.clear()
         self._frames.clear()
 
@@ -325,6 +327,9 @@ class Monitor:
         self._last_grad = None
         self._slot_stats.clear()
         self._hypers.clear()
+        for h in self._step_handles:
+            h.remove()
+        self._step_handles.clear()
 
     def _hyper_of(self, m: nn.Module) -> tuple[Any, ...]:
         """The module's rule hyper-parameters, looked up once per step."""
@@ -477,7 +482,7 @@ class Monitor:
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
             on_top = bool(self._stack) and self._stack[-1] == name
             path = tuple(self._stack) if on_top else (name,)
             frame = self._frames[-1] if on_top and self._frames else None
@@ -504,6 +509,15 @@ class Monitor:
                         proof = (rule, frame.deps)
             # A lone tensor is output[0], like the first element of a tuple.
             outs = _floats((output,) if isinstance(output, torch.Tensor) else output, "output")
+            replaced = None
+            if grad and any(t.requires_grad and t.grad_fn is None for _, t in outs):
+                # A leaf returned as output (the module's own parameter, say) has no node
+                # for the hook, and its own hooks (the parameter's gradient) would run
+                # first: the module returns a view of it instead, whose node is its own.
+                replaced = _map(output, self._view_of_leaf)
+                outs = _floats(
+                    (replaced,) if isinstance(replaced, torch.Tensor) else replaced, "output"
+                )
             for role, t in outs:
                 self._add_forward("fwd_output", path, role, t, proof)
                 if grad and t.requires_grad:
@@ -525,14 +539,25 @@ class Monitor:
                             node.register_prehook(
                                 functools.partial(_nth_grad, t.output_nr, on_grad)
                             )
-                        else:
-                            t.register_hook(on_grad)  # type: ignore[no-untyped-call]
+                        else:  # a leaf nested where it could not be replaced
+                            h = t.register_hook(on_grad)  # type: ignore[no-untyped-call]
+                            self._step_handles.append(h)
                         self._hooked[id(t)] = (weakref.ref(t), roles, frames)
             if on_top:
                 self._stack.pop()
                 self._frames.pop()
+            return replaced
 
         return hook
+
+    def _view_of_leaf(self, t: torch.Tensor) -> torch.Tensor:
+        if not (t.requires_grad and t.grad_fn is None):
+            return t
+        v = t.view_as(t)
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == _version(t):
+            self._seen[id(v)] = (weakref.ref(v), v._version, hit[2])  # same values
+        return v
 
     def _grad_hook(
         self,
