@@ -13,10 +13,13 @@ from torch import nn
 
 from floatguard import (
     ClipPolicy,
+    DynamicLossScaler,
     Guard,
     GuardStopped,
     ResponsePolicy,
     SpikePolicy,
+    clip_grad_norm_,
+    clip_grad_value_,
     read_events,
 )
 
@@ -272,3 +275,62 @@ def test_gradient_accumulation_keeps_every_micro_batch_visible() -> None:
             assert r.action == "skipped" and r.fault is not None
             assert (r.fault.phase, r.fault.tensor) == ("input", "input[0]")
     guard.close()
+
+
+def _embedding_net(sparse: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Flatten(), nn.Linear(12, 1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_sparse_gradients_are_guarded_like_dense_ones(precision: str) -> None:
+    """A sparse Embedding gradient is unscaled, measured and clipped as the dense
+    gradient it stands for (token 1 appears twice: its rows are summed)."""
+    runs = []
+    for sparse in (False, True):
+        net = _embedding_net(sparse)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        guard = Guard(net, opt, precision=precision)  # type: ignore[arg-type]
+        results = []
+        for _ in range(4):
+            with guard.autocast():
+                loss = net(torch.tensor([[1, 2, 1]])).float().sum() * 3
+            guard.backward(loss)
+            results.append(guard.step())
+        runs.append((net, results))
+    (dense, r_dense), (sparse_net, r_sparse) = runs
+    assert any(r.action == "applied" for r in r_sparse)
+    for a, b in zip(r_dense, r_sparse, strict=True):
+        assert a.action == b.action and a.scale == b.scale
+        if a.action == "applied":
+            assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
+            assert a.clip_coef == pytest.approx(b.clip_coef, rel=1e-6)
+    for p, q in zip(dense.parameters(), sparse_net.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_clipping_sparse_gradients_matches_dense() -> None:
+    grads = {}
+    for sparse in (False, True):
+        net = _embedding_net(sparse)
+        (net(torch.tensor([[1, 2, 1]])).sum() * 50).backward()
+        norm = clip_grad_norm_(net.parameters(), 1.0)
+        clip_grad_value_(net.parameters(), 0.01)
+        g = net[0].weight.grad
+        assert g is not None
+        grads[sparse] = (float(norm), g.to_dense() if sparse else g)
+    assert grads[True][0] == pytest.approx(grads[False][0], rel=1e-6)
+    torch.testing.assert_close(grads[True][1], grads[False][1])
+
+
+def test_a_sparse_fp16_gradient_whose_rows_sum_past_the_range_overflows() -> None:
+    emb = nn.Embedding(10, 4, sparse=True).half()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=1.0)
+    (emb(torch.tensor([1, 1])).float() * 40000.0).sum().backward()  # rows: 40000 each
+    g = emb.weight.grad
+    assert g is not None and g.is_sparse and bool(torch.isfinite(g._values()).all())
+    found = scaler.unscale_(opt)
+    assert float(found) == 1.0  # 80000 > 65504 once summed
+    scaler.update()
+    assert scaler.last_overflow is not None and scaler.last_overflow["kind"] == "inf"

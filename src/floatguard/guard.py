@@ -220,12 +220,13 @@ class Guard:
         step = self.step_count
         self.step_count += 1
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad for p in params if p.grad is not None]
-        dev = grads[0].device if grads else self.device
+        dev = params[0].device if params else self.device
         if self.scaler.enabled:
             found = self.scaler.unscale_(self.optimizer).to(dev)
         else:
             found = torch.zeros((), device=dev)
+        # After unscale_, which may replace a sparse gradient by its coalesced form.
+        grads = [p.grad for p in params if p.grad is not None]
         norm = total_norm(grads).to(dev).float() if grads else torch.zeros((), device=dev)
         coef = torch.ones((), device=dev)
         clip_value = clipped = None

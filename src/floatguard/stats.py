@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from floatguard import _native
+from floatguard._values import stored_values
 from floatguard.formats.registry import Format, get
 
 __all__ = ["EXP_MAX", "EXP_MIN", "TensorStats", "audit_tensor_numerics", "tensor_stats"]
@@ -255,7 +256,7 @@ def _sparse_stats(x: torch.Tensor) -> TensorStats:
     """Stats of a sparse tensor: its stored values (coalesced: duplicate COO entries
     are summed) plus the zeros it does not store."""
     x = x.detach()
-    values = x.coalesce().values() if x.layout == torch.sparse_coo else x.values()
+    values = stored_values(x)
     s = tensor_stats(values)
     implicit = x.numel() - values.numel()
     if implicit <= 0:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from floatguard._values import values_of
 from floatguard.formats.registry import get
 from floatguard.monitor.bounds import (
     PROVABLE_DTYPES,
@@ -46,18 +47,6 @@ def _floats(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
         return [(f"{prefix}[{i}]", o) for i, o in enumerate(obj) if _watched(o)]
     return list(_walk(obj, prefix))
-
-
-def _readable(t: torch.Tensor) -> torch.Tensor:
-    """A strided real tensor holding exactly ``t``'s stored values: the real view of a
-    complex tensor, the values of a sparse one (coalesced first: duplicate COO
-    entries are summed, and the sum is what the tensor holds)."""
-    if t.layout != torch.strided:
-        t = t.detach()
-        t = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
-    return t
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -355,7 +344,7 @@ class Monitor:
         if proof is not None and not stats_on:
             slot = self._sentinel.prove(t, proof[0], proof[1])
         else:
-            r = t if t.layout == torch.strided and not t.is_complex() else _readable(t)
+            r = t if t.layout == torch.strided and not t.is_complex() else values_of(t)
             if stats_on:
                 # one read for both where it can; a sparse tensor's stats count the
                 # zeros it does not store

@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from floatguard._values import values_of
 from floatguard.stats import TensorStats, tensor_stats
 
 __all__ = ["ReplayResult", "replay"]
@@ -102,22 +103,12 @@ def _from_anomaly_trace(node: Any) -> str | None:
 def _floats(obj: Any) -> tuple[list[torch.Tensor], list[float]]:
     leaves, _ = tree_flatten(obj)
     tensors = [
-        _dense(x)
+        values_of(x)
         for x in leaves
         if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
     ]
     scalars = [float(x) for x in leaves if isinstance(x, float)]
     return tensors, scalars
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """The values a check reads: a sparse tensor's stored values (coalesced, so that
-    duplicate entries are summed as the tensor means them), a complex one's real view."""
-    if t.layout != torch.strided:
-        t = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
-    return t
 
 
 _OUT_ARGS: dict[Any, frozenset[str]] = {}

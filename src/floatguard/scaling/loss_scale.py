@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from floatguard._values import grad_to_modify, values_of
+
 __all__ = ["DynamicLossScaler"]
 
 
@@ -103,7 +105,9 @@ class DynamicLossScaler:
         self._params = [
             p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
-        grads = [p.grad for p in self._params if p.grad is not None]
+        # A sparse gradient is coalesced and unscaled through its values, as GradScaler
+        # does for fp16 (coalescing sums duplicate rows: their overflow is found too).
+        grads = [grad_to_modify(p) for p in self._params]
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
@@ -163,7 +167,7 @@ class DynamicLossScaler:
         """Which gradient overflowed, NaN or inf: read on the overflow path only."""
         info: dict[str, Any] = {"step": self._step - 1, "scale": scale, "kind": None, "param": None}
         for i, p in enumerate(self._params):
-            g = p.grad
+            g = values_of(p.grad) if p.grad is not None else None
             if g is not None and not bool(torch.isfinite(g).all()):
                 info.update(kind="nan" if bool(torch.isnan(g).any()) else "inf", param=i)
                 break

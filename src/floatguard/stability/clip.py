@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 import torch
 
+from floatguard._values import grad_to_modify, stored_values
+
 __all__ = [
     "WindowedZClip",
     "ZClip",
@@ -30,7 +32,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
     """The norm of all gradients together, on device (float32 or the grads' dtype)."""
     if not grads:
         return torch.zeros(())
-    norms = torch._foreach_norm(grads, norm_type)
+    # A sparse gradient counts by its coalesced values (the dense tensor's nonzeros).
+    norms = torch._foreach_norm([stored_values(g) for g in grads], norm_type)
     out: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
     return out
 
@@ -83,7 +86,8 @@ def clip_grad_value_(parameters: Iterable[torch.Tensor] | torch.Tensor, clip_val
     """Clamp every gradient element to ``[-clip_value, clip_value]`` (NaN stays NaN)."""
     if not isinstance(clip_value, (int, float)) or not clip_value > 0:
         raise ValueError(f"clip_value={clip_value!r} must be a positive number")
-    grads = _grads(parameters)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [grad_to_modify(p) for p in params if p.grad is not None]
     if grads:
         torch._foreach_clamp_min_(grads, -float(clip_value))
         torch._foreach_clamp_max_(grads, float(clip_value))
