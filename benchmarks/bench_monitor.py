@@ -10,6 +10,9 @@ rounds (so drift on a shared machine hits every contender alike):
   C kernel when a compiler is available; the header says which)
 - torch.autograd.detect_anomaly
 - a naive forward hook that calls ``.isnan().any().item()`` on every module output
+- the monitor's hook wiring with no check in it (module pre/post hooks, input views
+  with gradient hooks, autograd-node hooks, parameter hooks): the floor under any
+  design that watches every module in both passes from Python
 
     python benchmarks/bench_monitor.py [--steps N] [--rounds R] [--tuned-malloc]
 
@@ -93,6 +96,44 @@ def anomaly(model: GPT) -> Iterator[None]:
         yield
 
 
+def _nothing(*args: object) -> None:
+    return None
+
+
+@contextmanager
+def hook_floor(model: GPT) -> Iterator[None]:
+    """The monitor's hook wiring with no check in it: a pre-hook handing each module a
+    view of its inputs (with a gradient hook), a post-hook putting a pre-hook on each
+    output's autograd node, a hook on every parameter. What any per-module,
+    both-pass design pays before it reads a single value."""
+
+    def pre(mod: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
+        if not torch.is_grad_enabled():
+            return None
+        views = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                a = a.view_as(a)
+                a.register_hook(_nothing)
+            views.append(a)
+        return tuple(views), kwargs
+
+    def post(mod: torch.nn.Module, args: object, kwargs: object, out: object) -> None:
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            out.grad_fn.register_prehook(_nothing)
+
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+    handles += [p.register_hook(_nothing) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @contextmanager
 def naive_hooks(model: GPT) -> Iterator[None]:
     def hook(module: torch.nn.Module, args: object, out: object) -> None:
@@ -138,6 +179,7 @@ def main() -> None:
         "floatguard stats every 10th step": stats_every(10),
         "torch.autograd.detect_anomaly": anomaly,
         "naive hook .isnan().any().item()": naive_hooks,
+        "hook wiring alone, no checks (the floor of any per-module design)": hook_floor,
     }
     model, opt, x, y = make()
     for _ in range(3):
