@@ -13,26 +13,9 @@ from torch import nn
 
 from floatguard import Fault, Monitor
 
+from .test_faults import Lambda, NaNBackward
+
 PROOFS = pytest.mark.parametrize("proofs", ["all", "off"])
-
-
-class Lambda(nn.Module):
-    def __init__(self, fn):  # type: ignore[no-untyped-def]
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):  # type: ignore[no-untyped-def]
-        return self.fn(x)
-
-
-class NaNBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def,override]
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def,override]
-        return g * float("nan")
 
 
 class ScaleBackward(torch.autograd.Function):

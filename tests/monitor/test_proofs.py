@@ -21,6 +21,8 @@ from floatguard.monitor.bounds import (
     rule_params,
 )
 
+from .test_faults import Lambda
+
 
 def _bound_of(t: torch.Tensor) -> tuple[float, float]:
     """The tightest valid dependency bound: (amax, max 2-norm of last-dim rows)."""
@@ -142,15 +144,6 @@ def test_unprovable_configurations_have_no_rule() -> None:
 
 
 # ------------------------------------------------------------------ integration
-
-
-class Lambda(nn.Module):
-    def __init__(self, fn):  # type: ignore[no-untyped-def]
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):  # type: ignore[no-untyped-def]
-        return self.fn(x)
 
 
 class Net(nn.Module):
