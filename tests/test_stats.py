@@ -141,11 +141,12 @@ def test_audit_accepts_torch_and_rejects_non_mappings() -> None:
         audit_tensor_numerics([torch.ones(2)])  # type: ignore[arg-type]
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("layout", ["coo", "coo_uncoalesced", "csr"])
 def test_sparse_tensor_stats_are_those_of_the_dense_tensor(layout: str) -> None:
     idx = torch.tensor([[0, 1, 1, 2], [2, 0, 0, 1]])
     val = torch.tensor([-3e38, 3e38, 3e38, 1e-42])  # (1, 0) twice: sums to inf
-    coo = torch.sparse_coo_tensor(idx, val, (4, 3))
+    coo = torch.sparse_coo_tensor(idx, val, (4, 3), check_invariants=True)
     x = {"coo": coo.coalesce(), "coo_uncoalesced": coo, "csr": coo.to_dense().to_sparse_csr()}[
         layout
     ]
