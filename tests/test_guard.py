@@ -334,3 +334,17 @@ def test_a_sparse_fp16_gradient_whose_rows_sum_past_the_range_overflows() -> Non
     assert float(found) == 1.0  # 80000 > 65504 once summed
     scaler.update()
     assert scaler.last_overflow is not None and scaler.last_overflow["kind"] == "inf"
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "zero"])
+def test_clipping_a_non_finite_sparse_gradient(nonfinite: str) -> None:
+    net = _embedding_net(True)
+    (net(torch.tensor([[1, 2, 1]])).sum() * float("inf")).backward()
+    norm = clip_grad_norm_(net.parameters(), 1.0, nonfinite=nonfinite)  # type: ignore[arg-type]
+    assert not math.isfinite(float(norm))
+    g = net[0].weight.grad
+    assert g is not None and g.is_sparse
+    if nonfinite == "zero":
+        assert float(g.to_dense().abs().sum()) == 0.0
+    else:
+        assert not bool(torch.isfinite(g.to_dense()).all())

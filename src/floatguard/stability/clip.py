@@ -24,8 +24,10 @@ NonFinite = Literal["skip", "zero", "error"]
 
 
 def _grads(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    """The gradients to measure and modify in place, all strided: a sparse gradient is
+    coalesced and stands here by its values (``grad_to_modify``)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    return [p.grad for p in params if p.grad is not None]
+    return [grad_to_modify(p) for p in params if p.grad is not None]
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -86,8 +88,7 @@ def clip_grad_value_(parameters: Iterable[torch.Tensor] | torch.Tensor, clip_val
     """Clamp every gradient element to ``[-clip_value, clip_value]`` (NaN stays NaN)."""
     if not isinstance(clip_value, (int, float)) or not clip_value > 0:
         raise ValueError(f"clip_value={clip_value!r} must be a positive number")
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [grad_to_modify(p) for p in params if p.grad is not None]
+    grads = _grads(parameters)
     if grads:
         torch._foreach_clamp_min_(grads, -float(clip_value))
         torch._foreach_clamp_max_(grads, float(clip_value))
