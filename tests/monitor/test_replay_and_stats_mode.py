@@ -170,3 +170,47 @@ def test_replay_keeps_what_it_found_when_the_step_raises() -> None:
 
     with pytest.raises(KeyError):
         replay(broken)
+
+
+def test_format_fit_matches_casting_with_ml_dtypes() -> None:
+    """The fractions come from the stats alone; the reference casts every value with
+    ml_dtypes. Values are 1.25 * 2**k over the whole float32 range, skipping the two
+    binades the histogram cannot split (each format's top binade, and the one just
+    below its smallest subnormal)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    from floatguard.formats import get as get_format
+
+    names = ("fp16", "bf16", "e4m3fn", "e5m2")
+    fmts = [get_format(n) for n in names]
+    skip = {f.emax for f in fmts} | {f.emin - f.mantissa_bits - 2 for f in fmts}
+    ks = [k for k in range(-147, 128) if k not in skip]
+    vals = torch.tensor([s * 1.25 * 2.0**k for k in ks for s in (1, -1)], dtype=torch.float32)
+    model = nn.Sequential(nn.Identity(), Lambda(lambda x: x * 1.0))
+    with Monitor(model, mode="stats", formats=names) as mon:
+        model(vals)
+    fit = mon.format_fit()[("1", "output[0]")]
+    ref_types = {
+        "fp16": np.float16,
+        "bf16": ml_dtypes.bfloat16,
+        "e4m3fn": ml_dtypes.float8_e4m3fn,
+        "e5m2": ml_dtypes.float8_e5m2,
+    }
+    x = vals.numpy()
+    for f in fmts:
+        cast = x.astype(ref_types[f.name]).astype(np.float64)
+        smallest_normal = 2.0**f.emin
+        want = {
+            "overflow": float(np.mean(~np.isfinite(cast))),
+            "underflow": float(np.mean((cast == 0) & (x != 0))),
+            "subnormal": float(np.mean((cast != 0) & (np.abs(cast) < smallest_normal))),
+        }
+        got = {k: fit[f.name][k] for k in want}
+        assert got == pytest.approx(want), f.name
+        assert fit[f.name]["scale"] == pytest.approx(f.max / float(vals.abs().max()))
+        assert fit[f.name]["scale_pow2"] <= fit[f.name]["scale"] < 2 * fit[f.name]["scale_pow2"]
+    # sentinel mode keeps no stats
+    with Monitor(model) as mon:
+        model(vals)
+    assert mon.format_fit() == {}

@@ -186,7 +186,8 @@ class Monitor:
     ``"forward"`` outputs only (no gradient is kept); ``"off"`` (or False) reads
     every tensor. ``mode="stats"`` also keeps a
     :class:`TensorStats` per record on every ``every``-th step (read in full on
-    those steps), on device until read.
+    those steps), on device until read; :meth:`format_fit` turns them into the
+    overflow / underflow / subnormal fractions and scales for each of ``formats``.
 
     Use it as a context manager or with ``attach()`` / ``detach()`` (detach
     removes every hook; the records of the last step stay readable).
@@ -720,4 +721,46 @@ class Monitor:
                 role += ".grad"
             key = (path[-1] if path else "", role)
             out[key] = out[key].merge(rec.stats) if key in out else rec.stats
+        return out
+
+    def format_fit(self) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
+        """Stats mode: how each tensor watched this step would fit each of ``formats``.
+
+        ``{(module, role): {format: {"overflow", "underflow", "subnormal", "scale",
+        "scale_pow2"}}}`` with the keys of :attr:`stats`. From each tensor's
+        :class:`TensorStats`, without reading the tensor again: the fractions of its
+        elements that would overflow (finite, beyond the format's largest value),
+        underflow (non-zero, rounding to zero) or land in the subnormal range if cast
+        to the format unscaled (binade-exact, see :class:`TensorStats`), and the
+        recommended scale ``fmt.max / amax`` and its power-of-two floor. One
+        device-to-host copy. Empty when the step kept no stats (sentinel mode, or
+        not an ``every``-th step).
+        """
+        stats = self.stats
+        if not stats:
+            return {}
+        fmts = [get(f) for f in self.formats]
+        rows = []
+        for st in stats.values():
+            n = torch.clamp(st.numel, min=1).double()
+            for f in fmts:
+                rows.append(
+                    torch.stack(
+                        [
+                            st.overflow_count(f).double() / n,
+                            st.underflow_count(f).double() / n,
+                            st.subnormal_count(f).double() / n,
+                            st.recommended_scale(f).double(),
+                            st.recommended_scale(f, power_of_two=True).double(),
+                        ]
+                    )
+                )
+        devices = {r.device for r in rows}
+        target = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        values = torch.stack([r.to(target) for r in rows]).tolist()  # the one host read
+        out: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+        it = iter(values)
+        names = ("overflow", "underflow", "subnormal", "scale", "scale_pow2")
+        for key in stats:
+            out[key] = {f.name: dict(zip(names, next(it), strict=True)) for f in fmts}
         return out
