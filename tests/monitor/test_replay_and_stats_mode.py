@@ -214,3 +214,9 @@ def test_format_fit_matches_casting_with_ml_dtypes() -> None:
     with Monitor(model) as mon:
         model(vals)
     assert mon.format_fit() == {}
+
+
+def test_formats_may_be_one_name() -> None:
+    assert Monitor(nn.Linear(2, 2), formats="e4m3fn").formats == ("e4m3fn",)
+    with pytest.raises(ValueError, match="bogus"):
+        Monitor(nn.Linear(2, 2), formats=("fp16", "bogus"))

@@ -222,6 +222,8 @@ class Monitor:
             raise ValueError(f"mode={mode!r}; use 'sentinel' or 'stats'")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every={every!r} must be a positive int")
+        if isinstance(formats, str):  # one format named alone, not its characters
+            formats = (formats,)
         self.formats = tuple(get(f).name for f in formats)
         self.model = model
         self.mode: Mode = mode
