@@ -169,3 +169,22 @@ def test_packed_fp4_stats_match_ml_dtypes() -> None:
     for f in ("numel", "nan", "posinf", "zeros", "amax", "min_nonzero", "min", "max", "hist"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     assert int(got.numel) == 512 and float(got.amax) == 6.0
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (4, 3, 2)])
+@pytest.mark.parametrize("sparse_dim", [1, 2])
+def test_dense_sum_is_the_dense_tensor_a_sparse_one_stands_for(
+    shape: tuple[int, ...], sparse_dim: int
+) -> None:
+    from floatguard._values import dense_sum
+
+    torch.manual_seed(0)
+    nnz = 7
+    idx = torch.stack([torch.randint(0, shape[d], (nnz,)) for d in range(sparse_dim)])
+    idx[:, 1] = idx[:, 0]  # at least one duplicate
+    vals = torch.randn(nnz, *shape[sparse_dim:])
+    coo = torch.sparse_coo_tensor(idx, vals, shape, check_invariants=True)
+    assert not coo.is_coalesced()
+    torch.testing.assert_close(dense_sum(coo), coo.to_dense())
+    empty = torch.sparse_coo_tensor(idx[:, :0], vals[:0], shape, check_invariants=True)
+    assert torch.equal(dense_sum(empty), torch.zeros(shape))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grad_to_modify", "stored_values", "values_of"]
+__all__ = ["dense_sum", "grad_to_modify", "stored_values", "values_of"]
 
 
 def stored_values(t: torch.Tensor) -> torch.Tensor:
@@ -17,7 +17,7 @@ def stored_values(t: torch.Tensor) -> torch.Tensor:
     if t.layout == torch.strided:
         return t
     if t.layout == torch.sparse_coo:
-        return t.coalesce().values()
+        return t.values() if t.is_coalesced() else t.coalesce().values()
     return t.values()  # compressed layouts (CSR, CSC, BSR, BSC) store no duplicates
 
 
@@ -47,3 +47,23 @@ def grad_to_modify(p: torch.Tensor) -> torch.Tensor:
             p.grad = g = g.coalesce()
         return g._values()
     return g.values()
+
+
+def dense_sum(t: torch.Tensor) -> torch.Tensor:
+    """A sparse COO tensor as the dense tensor it stands for, duplicates summed with
+    ``index_add_`` (what a sparse update of a dense parameter does), without a host
+    sync: coalescing would size its output on the host. Costs the dense tensor's
+    memory. Other tensors are returned as they are."""
+    if t.layout != torch.sparse_coo:
+        return t
+    t = t.detach()
+    sd = t.sparse_dim()
+    dense = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    idx, vals = t._indices(), t._values()
+    if vals.shape[0] == 0:
+        return dense
+    lin = idx[0]
+    for d in range(1, sd):
+        lin = lin * t.shape[d] + idx[d]
+    dense.view(-1, *t.shape[sd:]).index_add_(0, lin, vals)
+    return dense

@@ -340,3 +340,37 @@ def test_a_module_returning_its_own_parameter(proofs: str) -> None:
     assert not net.query.q._backward_hooks  # nothing left behind
     # the parameter's value is unchanged and still trains
     assert isinstance(net.query.q.grad, torch.Tensor)
+
+
+@pytest.mark.parametrize("rows", [[1, 2, 3], [1, 2, 1]])
+def test_a_sparse_gradient_is_not_coalesced_during_the_step(
+    rows: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Coalescing sizes its output on the host (a sync on CUDA): during forward and
+    backward the stored values are read and the sums proved; the exact read waits
+    for the monitor to be read."""
+    calls = []
+    coalesce = torch.Tensor.coalesce
+
+    def counting(self: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return coalesce(self)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Embedding(10, 4, sparse=True),
+        Lambda(lambda h: ScaleBackward.apply(h, 3e38)),
+        nn.Linear(4, 1),
+    )
+    with torch.no_grad():
+        net[2].weight.fill_(1.0)
+    with Monitor(net) as mon:
+        monkeypatch.setattr(torch.Tensor, "coalesce", counting)
+        net(torch.tensor([rows])).sum().backward()
+        assert calls == []
+        flag = bool(mon.found_nonfinite)  # no coalescing there either
+        assert calls == []
+        faults = where(mon.faults)
+    duplicate = rows.count(1) == 2
+    assert flag == duplicate
+    assert faults == ([("0", "param_grad", "inf", "param:weight")] if duplicate else [])

@@ -56,6 +56,7 @@ __all__ = [
     "forward_rule",
     "provable_type",
     "rule_params",
+    "sum_rule",
 ]
 
 PROVABLE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
@@ -144,6 +145,23 @@ class Rule:
 
     def __call__(self, ops: Ops, deps: Sequence[Bound]) -> Bound:
         return self.fn(ops, deps)
+
+
+def sum_rule(terms: int, dtype: torch.dtype, width: int) -> Rule:
+    """Each element a sum of at most ``terms`` values bounded by the one dependency (a
+    sparse COO tensor's stored values, duplicates summed when it is coalesced):
+    ``|fl(sum of m terms)| <= m A (1 + u)^(m-1) <= m A exp(m u)``, with ``u`` the unit
+    roundoff of ``dtype`` (the sum is taken in it or wider)."""
+    u = torch.finfo(dtype).eps / 2
+    e = terms * u
+    factor = terms * math.exp(e) * (1 + 1e-12) if e < 700 else INF
+    root = math.sqrt(width)
+
+    def fn(ops: Ops, deps: Sequence[Bound]) -> Bound:
+        a = deps[0][0] * factor
+        return a, a * root
+
+    return Rule("sum of stored duplicates", fn, (0,))
 
 
 # Elementwise activations: |f(x)| <= min(L |x| + C, cap), sup |f'(x)| <= D.

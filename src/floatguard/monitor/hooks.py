@@ -22,6 +22,7 @@ from floatguard.monitor.bounds import (
     forward_rule,
     provable_type,
     rule_params,
+    sum_rule,
 )
 from floatguard.monitor.localize import Alert, Fault, Record, RecordKind, localize
 from floatguard.monitor.sentinel import Sentinel
@@ -346,6 +347,19 @@ class Monitor:
         stats: TensorStats | None = None
         if proof is not None and not stats_on:
             slot = self._sentinel.prove(t, proof[0], proof[1])
+        elif t.layout == torch.sparse_coo and not t.is_coalesced() and not stats_on:
+            # Reading it exactly means coalescing it, which sizes its output on the host
+            # (a sync on CUDA). Its stored values are read instead (non-finite there is
+            # non-finite after summing), and the sums of duplicates are proved finite
+            # from them; a sum the bound cannot settle is coalesced and read when the
+            # monitor is read.
+            values = t.detach()._values()
+            if values.is_complex():
+                values = torch.view_as_real(values)
+            vslot = self._sentinel.add(values)
+            width = t.shape[-1] if t.dim() else 1
+            rule = sum_rule(max(t._nnz(), 1), values.dtype, width)
+            slot = self._sentinel.prove(t, rule, [vslot])
         else:
             r = t if t.layout == torch.strided and not t.is_complex() else values_of(t)
             if stats_on:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from floatguard._values import dense_sum, values_of
 from floatguard.monitor.bounds import DEVICE, HOST, INF, Bound, Rule
 
 __all__ = ["Proof", "Sentinel"]
@@ -117,7 +118,11 @@ class Sentinel:
     def materialize(self, slot: int) -> None:
         """Turn a proof into a read now (before the tensor is modified in place)."""
         p = self._slots[slot]
-        if isinstance(p, Proof) and p.tensor._version == p.version:
+        if (
+            isinstance(p, Proof)
+            and p.tensor._version == p.version
+            and p.tensor.layout == torch.strided
+        ):
             t = p.tensor
             lo, hi = torch.aminmax(t) if t.numel() else (t.new_zeros(()), t.new_zeros(()))
             self._slots[slot] = len(self._mins)
@@ -226,7 +231,12 @@ class Sentinel:
             else:
                 pairs, order = by_device.setdefault(t.device, ([], []))
                 wide = torch.float32 if t.device.type == "mps" else torch.float64
-                pairs.append(torch.stack(torch.aminmax(t)).to(wide))
+                v = values_of(dense_sum(t))  # a sparse gradient: as flag() reads it
+                pairs.append(
+                    torch.stack(torch.aminmax(v)).to(wide)
+                    if v.numel()
+                    else v.new_zeros(2, dtype=wide)
+                )
                 order.append(slot)
         for pairs, order in by_device.values():  # one transfer per device
             for slot, (a, b) in zip(order, torch.stack(pairs).cpu().tolist(), strict=True):
@@ -261,7 +271,8 @@ class Sentinel:
                 continue
             t = s.tensor
             if t._version == s.version and t.numel():
-                lo_t, hi_t = torch.aminmax(t)
+                # A sparse gradient's duplicates are summed into a dense tensor (no sync).
+                lo_t, hi_t = torch.aminmax(values_of(dense_sum(t)))
                 finite = torch.isfinite(lo_t) & torch.isfinite(hi_t)
                 amax_t = _t(torch.maximum(lo_t.abs(), hi_t.abs()), bad)
                 a = torch.where(finite, amax_t, torch.full_like(amax_t, INF))
