@@ -25,6 +25,7 @@ import torch
 
 from floatguard import _native
 from floatguard._values import stored_values
+from floatguard.formats.codec import _decode
 from floatguard.formats.registry import Format, get
 
 __all__ = ["EXP_MAX", "EXP_MIN", "TensorStats", "audit_tensor_numerics", "tensor_stats"]
@@ -238,18 +239,12 @@ def stats_and_aminmax(
 
 
 def _unpack_fp4(x: torch.Tensor) -> torch.Tensor:
-    """The values of a packed FP4 tensor (two E2M1 codes per byte), in float32,
-    decoded on its device (OCP MX spec v1.0: bit 3 sign, bits 2-1 exponent with bias 1,
-    bit 0 mantissa; exponent 0 is subnormal, 0 or 0.5). Stats do not depend on
-    order, so the two nibbles are simply concatenated."""
+    """The values of a packed FP4 tensor (two E2M1 codes per byte), in float32 (exact),
+    decoded on its device. Stats do not depend on order, so the two nibbles are
+    simply concatenated."""
     codes = x.detach().view(torch.uint8).reshape(-1)
-    c = torch.cat([codes & 0xF, codes >> 4]).float()
-    sign = torch.where(c >= 8, -1.0, 1.0)
-    mag = torch.remainder(c, 8)
-    e = torch.floor(mag / 2)
-    m = mag - 2 * e
-    value = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m))
-    return sign * value
+    nibbles = torch.cat([codes & 0xF, codes >> 4]).long()
+    return _decode(get("e2m1fn"), nibbles).float()
 
 
 def _sparse_stats(x: torch.Tensor) -> TensorStats:
