@@ -102,12 +102,9 @@ def test_lstm_with_an_inf_recurrent_weight(proofs: str) -> None:
     assert where(mon.faults) == [("rnn", "forward", "inf", "param:weight_hh_l0")]
 
 
-@PROOFS
-@pytest.mark.parametrize("sparse", [True, False])
-def test_embedding_gradient_that_overflows_when_rows_are_summed(proofs: str, sparse: bool) -> None:
-    """Token 1 appears twice; each row of its gradient is 3e38, their sum is inf.
-    A sparse gradient holds the two rows uncoalesced: it must be read as the tensor
-    it stands for (coalesced), not as its stored rows."""
+def _big_gradient_embedding(sparse: bool) -> nn.Sequential:
+    """Embedding -> (gradient x 3e38 in backward) -> Linear with unit weights: each
+    gradient row of a looked-up token is 3e38, finite; two of them sum to inf."""
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Embedding(10, 4, sparse=sparse),
@@ -116,6 +113,16 @@ def test_embedding_gradient_that_overflows_when_rows_are_summed(proofs: str, spa
     )
     with torch.no_grad():
         net[2].weight.fill_(1.0)
+    return net
+
+
+@PROOFS
+@pytest.mark.parametrize("sparse", [True, False])
+def test_embedding_gradient_that_overflows_when_rows_are_summed(proofs: str, sparse: bool) -> None:
+    """Token 1 appears twice; each row of its gradient is 3e38, their sum is inf.
+    A sparse gradient holds the two rows uncoalesced: it must be read as the tensor
+    it stands for (coalesced), not as its stored rows."""
+    net = _big_gradient_embedding(sparse)
     with Monitor(net, proofs=proofs) as mon:  # type: ignore[arg-type]
         net(torch.tensor([[1, 2, 1]])).sum().backward()
     assert net[0].weight.grad is not None and net[0].weight.grad.is_sparse == sparse
@@ -356,14 +363,7 @@ def test_a_sparse_gradient_is_not_coalesced_during_the_step(
         calls.append(1)
         return coalesce(self)
 
-    torch.manual_seed(0)
-    net = nn.Sequential(
-        nn.Embedding(10, 4, sparse=True),
-        Lambda(lambda h: ScaleBackward.apply(h, 3e38)),
-        nn.Linear(4, 1),
-    )
-    with torch.no_grad():
-        net[2].weight.fill_(1.0)
+    net = _big_gradient_embedding(True)
     with Monitor(net) as mon:
         monkeypatch.setattr(torch.Tensor, "coalesce", counting)
         net(torch.tensor([rows])).sum().backward()
