@@ -39,6 +39,7 @@ the better deal.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ HOST = Ops(_host_min, _host_gate)
 DEVICE = Ops(_dev_min, _dev_gate)
 
 
+@functools.lru_cache(maxsize=64)
 def accumulation_roundoff(*dtypes: torch.dtype, low_precision: bool = False) -> float:
     """Unit roundoff of the sums inside a matmul or convolution of these dtypes.
 

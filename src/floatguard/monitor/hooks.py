@@ -44,10 +44,22 @@ def _floats(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     """``list(_walk(obj, prefix))``, with the common cases (one tensor, a tuple of
     tensors) taken without the generator."""
     if isinstance(obj, torch.Tensor):
-        return [(prefix, obj)] if _watched(obj) else []
+        return [(prefix, obj)] if obj.is_floating_point() or obj.is_complex() else []
     if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
-        return [(f"{prefix}[{i}]", o) for i, o in enumerate(obj) if _watched(o)]
+        return [
+            (f"{prefix}[{i}]", o)
+            for i, o in enumerate(obj)
+            if o.is_floating_point() or o.is_complex()
+        ]
     return list(_walk(obj, prefix))
+
+
+def _has_leaf(outs: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether an output is a leaf that requires grad (no autograd node of its own)."""
+    for _, t in outs:
+        if t.grad_fn is None and t.requires_grad:
+            return True
+    return False
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -98,16 +110,19 @@ def _only_our_hooks(m: nn.Module) -> bool:
         return False
     if m._backward_hooks or m._backward_pre_hooks or "forward" in m.__dict__:
         return False
-    g = torch.nn.modules.module
-    return not any(
-        getattr(g, name, None)
-        for name in (
-            "_global_forward_pre_hooks",
-            "_global_forward_hooks",
-            "_global_backward_hooks",
-            "_global_backward_pre_hooks",
-        )
-    )
+    g = vars(torch.nn.modules.module)
+    for name in _GLOBAL_HOOKS:
+        if g.get(name):
+            return False
+    return True
+
+
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,8 +142,14 @@ def _nth_grad(
         fn(g)
 
 
+# Whether autocast is on for any device: one cheap call before the per-device ones.
+_ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype in force for ``t``'s device (None when autocast is off)."""
+    if not _ANY_AUTOCAST():
+        return None
     dev = t.device.type
     try:
         if not torch.is_autocast_enabled(dev):
@@ -347,7 +368,7 @@ class Monitor:
         stats: TensorStats | None = None
         if proof is not None and not stats_on:
             slot = self._sentinel.prove(t, proof[0], proof[1])
-        elif t.layout == torch.sparse_coo and not t.is_coalesced() and not stats_on:
+        elif t.is_sparse and not stats_on and not t.is_coalesced():
             # Reading it exactly means coalescing it, which sizes its output on the host
             # (a sync on CUDA). Its stored values are read instead (non-finite there is
             # non-finite after summing), and the sums of duplicates are proved finite
@@ -361,11 +382,12 @@ class Monitor:
             rule = sum_rule(max(t._nnz(), 1), values.dtype, width)
             slot = self._sentinel.prove(t, rule, [vslot])
         else:
-            r = t if t.layout == torch.strided and not t.is_complex() else values_of(t)
+            strided = t.layout == torch.strided
+            r = t if strided and not t.is_complex() else values_of(t)
             if stats_on:
                 # one read for both where it can; a sparse tensor's stats count the
                 # zeros it does not store
-                sparse = t.layout != torch.strided and not t.is_complex()
+                sparse = not strided and not t.is_complex()
                 stats, minmax = stats_and_aminmax(t if sparse else r)
                 slot = self._sentinel.add(r, minmax)
             else:
@@ -386,8 +408,9 @@ class Monitor:
         proof: tuple[Rule, list[int]] | None = None,
     ) -> int:
         key = id(t)
-        version = _version(t)
-        if version is None:  # an inference tensor: read it, every time it is seen
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor (no version): read it wherever seen
             return self._add(kind, path, role, t).slot
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t and hit[1] == version:
@@ -516,7 +539,7 @@ class Monitor:
             # A lone tensor is output[0], like the first element of a tuple.
             outs = _floats((output,) if isinstance(output, torch.Tensor) else output, "output")
             replaced = None
-            if grad and any(t.requires_grad and t.grad_fn is None for _, t in outs):
+            if grad and _has_leaf(outs):
                 # A leaf returned as output (the module's own parameter, say) has no node
                 # for the hook, and its own hooks (the parameter's gradient) would run
                 # first: the module returns a view of it instead, whose node is its own.
@@ -585,7 +608,7 @@ class Monitor:
         grad: torch.Tensor,
     ) -> None:
         self._backward_seen = True
-        if grad is None or not _watched(grad):
+        if grad is None or not (grad.is_floating_point() or grad.is_complex()):
             return
         if before is not None and before[0]:
             # The module returned its input view: this gradient is its grad_output too.
@@ -644,7 +667,7 @@ class Monitor:
 
         def hook(grad: torch.Tensor) -> None:
             self._backward_seen = True
-            if grad is not None and _watched(grad):
+            if grad is not None and (grad.is_floating_point() or grad.is_complex()):
                 self._add("bwd_param_grad", path, f"param:{pname}", grad)
             return None
 
