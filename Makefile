@@ -8,13 +8,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test lint typecheck pytest demo bench clean
 
+# Every install goes through constraints.txt, the development and CI lock (README,
+# "Pinned test tools"). The editable install builds with the pinned hatchling, not an
+# isolated build environment that would take whatever hatchling PyPI serves that day.
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -c constraints.txt pip
 
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt "torch==2.13.0"
-	$(PY) -m pip install -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -c constraints.txt hatchling editables
+	$(PY) -m pip install -c constraints.txt --no-build-isolation -e ".[dev]"
+	$(PY) -m pip check
 	touch $(STAMP)
 
 install: $(STAMP)

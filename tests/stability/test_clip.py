@@ -83,6 +83,7 @@ def _norm_series(n: int) -> list[float]:
     ],
 )
 def test_zclip_matches_the_published_package(kw: dict[str, object]) -> None:
+    """Decisions and EMA equal zclip's (1.0.0, the only release; pinned in constraints.txt)."""
     ours = ZClip(ZClipConfig(**kw))  # type: ignore[arg-type]
     ref = zclip_pkg.ZClip(**kw)
     w_ours, w_ref = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
