@@ -36,6 +36,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, consistent: boo
     torch.save({"actions": actions, "params": [p.detach() for p in model.parameters()]},
                os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
     guard.close()
+    # Both ranks leave together: a rank that tears gloo down while its peer still talks
+    # to it can abort the peer ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
