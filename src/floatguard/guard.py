@@ -1,18 +1,32 @@
-"""Guard: monitor + loss scaler + clipping + spike response + rollback around a training step.
+"""Guard: loss scaling, clipping, detection, localization by replay and responses by cause.
 
 ```python
 guard = floatguard.Guard(model, optimizer, precision="fp16", scheduler=sched, log="run.jsonl")
-for batch in loader:
-    with guard.autocast():
-        loss = loss_fn(model(batch))
-    guard.backward(loss)
-    result = guard.step()   # "applied" | "skipped" | "rolled_back"
+for x, y in loader:
+    result = guard.step(lambda: loss_fn(model(x), y))  # "applied" | "skipped" | "rolled_back"
 ```
 
-One step reads the device exactly once: a small packed tensor (overflow flag,
-gradient norm, loss, clip coefficient, and the monitor's per-tensor records) is
-copied to the host, and every decision is made from it. Only on a step that
-overflows in fp16 does the loss scaler read more, to report which parameter.
+Words used here:
+
+- *detection*: the step's one host read, of a small packed tensor (overflow flag,
+  gradient norm, loss, clip coefficient). A clean step registers no hook and reads
+  nothing else.
+- *signal*: what the read says: clean, an fp16 gradient overflow (finite loss), a
+  non-finite loss or gradient, a loss or gradient-norm spike.
+- *localization*: on a non-finite step only, before anything changes: the
+  parameters (and optimizer state) are checked, then the closure is replayed with
+  the step's RNG states and buffers restored, under the op-level replay
+  (:mod:`floatguard.monitor.replay`). The result is a :class:`Fault` with module,
+  phase, op, source line and ``deterministic`` (whether the replay reproduced it).
+- *cause* and *response*: a non-finite input batch is skipped (LR and scale
+  unchanged); an fp16 gradient overflow backs the scale off; a non-finite parameter
+  or optimizer state rolls back at once; a spike is skipped, then the LR backs off;
+  other deterministic faults climb the ladder (skip, LR back-off, rollback); the
+  same deterministic fault again after a rollback stops the run; a transient fault
+  (the replay is clean) is skipped and counted.
+
+Reading order: :meth:`Guard.step` (one screen: run -> gather -> read -> decide ->
+act), then the steps it names, each a method of a few lines.
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,24 +42,41 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from floatguard._values import values_of
 from floatguard.events import EventLog
 from floatguard.monitor.hooks import Monitor
 from floatguard.monitor.localize import Fault
+from floatguard.monitor.replay import ReplayResult, run_localized
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clip import ZClip, clip_grad_value_, total_norm
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.snapshot import Snapshot
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
+from floatguard.stability.step_state import StepState, rng_state, set_rng_state
 
 __all__ = ["Guard", "StepResult"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Action = Literal["applied", "skipped", "rolled_back"]
+Watch = Literal["replay", "hooks", "off"]
+Closure = Callable[[], torch.Tensor]
+_Response = Literal["apply", "skip", "backoff", "ladder", "rollback", "stop"]
+# Under torch.distributed every rank takes the strongest response any rank chose.
+_STRENGTH: dict[_Response, int] = {
+    "apply": 0, "skip": 1, "backoff": 2, "ladder": 3, "rollback": 4, "stop": 5,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the guard did with one step, and the numbers it decided on."""
+    """What the guard did with one step, and the numbers it decided on.
+
+    ``reason`` (None when applied): "nonfinite_input", "nonfinite_param",
+    "overflow" (fp16 gradient overflow), "nonfinite_loss", "nonfinite_grad",
+    "transient" (a replay of the step was clean), "loss_spike", "grad_norm_spike",
+    "after_rollback" (a batch the policy skips after a rollback). ``fault``: where the
+    non-finite value was born, when it was localized.
+    """
 
     step: int
     action: Action
@@ -56,6 +87,25 @@ class StepResult:
     clip_coef: float = 1.0
     lr_factor: float = 1.0
     fault: Fault | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """The host copy of the step's packed numbers."""
+
+    overflow: bool
+    grad_norm: float
+    loss: float
+    clip_coef: float
+    monitor_fault: Fault | None
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    packed: torch.Tensor
+    norm: torch.Tensor
+    zclip: tuple[torch.Tensor, torch.Tensor] | None
+    monitor_slots: int
 
 
 class _Detector:
@@ -84,8 +134,20 @@ class _Detector:
         self.impl.load_state_dict(sd)
 
 
+def _fault_key(fault: Fault) -> tuple[str, str, str, str | None]:
+    """What makes two faults "the same fault" for the stop rule."""
+    return (fault.phase, fault.module, fault.tensor, fault.op)
+
+
+def _fault_from_replay(step: int, r: ReplayResult, deterministic: bool) -> Fault:
+    return Fault(
+        step, r.phase, r.module if r.module is not None else "", r.tensor, r.kind, r.shape,
+        None, r.op, r.source, deterministic,
+    )  # fmt: skip
+
+
 class Guard:
-    """Keep a training loop numerically healthy with two extra lines.
+    """Keep a training loop numerically healthy.
 
     Args:
         model: the module being trained (its parameters must be the optimizer's).
@@ -94,18 +156,32 @@ class Guard:
             float16 with dynamic loss scaling).
         scheduler: an LR scheduler to step with applied steps only.
         clip, spikes, response: frozen policies (defaults: ZClip with its published
-            settings; robust loss-spike detection; the ladder skip → LR back-off →
-            rollback → stop).
+            settings; robust loss-spike detection; responses by cause, see the module).
         scaler: a :class:`DynamicLossScaler` to use for fp16 (default: a new one).
-        monitor: watch the model with a sentinel :class:`Monitor` (default True); on
-            a fault the step's event names where it was born.
+        watch: how a bad step is localized. ``"replay"`` (default): nothing runs on a
+            clean step; a bad step given as a closure (``step(closure)``) is replayed
+            and the birth named. ``"hooks"``: also keep the hook-based
+            :class:`Monitor` attached (for the three-call loop without a closure; it
+            costs hooks on every step, and it ignores no-grad forwards). ``"off"``:
+            check the parameters on a bad step, nothing else.
         log: a JSONL path for the event stream (events are kept in memory too).
-        distributed: all-reduce the step's decision numbers (overflow flag, loss,
-            gradient norm) over ``process_group`` so every rank skips, applies or rolls
-            back together (default: when torch.distributed is initialized). Losses are
-            averaged over ranks for spike detection; a NaN on any rank is seen by all.
+        distributed: all-reduce the step's decision numbers over ``process_group`` so
+            every rank skips, applies or rolls back together (default: when
+            torch.distributed is initialized). On a bad step the ranks also agree on
+            the strongest response any of them chose (one more all-reduce, bad steps
+            only).
 
-    The guard zeroes the gradients at the end of every step.
+    Two ways to drive it. ``step(closure)``: the closure runs the forward and returns
+    the loss (inside the guard's autocast; it must capture its batch, so a replay
+    sees the same data and the data iterator is not advanced); the guard runs the
+    backward and decides. A sequence of closures accumulates gradients (each loss
+    is backpropagated as returned; the step is decided on their mean). Or the
+    three-call loop (``with guard.autocast(): loss = ...``, ``guard.backward(loss)``,
+    ``guard.step()``): the same detection and responses, without replay.
+
+    The guard zeroes the gradients at the end of every step. A step is applied whole
+    or not at all: a skipped step changes no weight, optimizer state, scheduler or
+    scaler growth, and restores the buffers (BatchNorm statistics) it changed.
     """
 
     def __init__(
@@ -119,10 +195,61 @@ class Guard:
         spikes: SpikePolicy | None = None,
         response: ResponsePolicy | None = None,
         scaler: DynamicLossScaler | None = None,
-        monitor: bool = True,
+        watch: Watch = "replay",
         log: str | os.PathLike[str] | None = None,
         distributed: bool | None = None,
         process_group: Any = None,
+    ) -> None:
+        self._check_args(model, optimizer, precision, watch)
+        devices = {p.device for p in model.parameters()}
+        if distributed is None:
+            import torch.distributed as dist
+
+            distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = bool(distributed)
+        self.process_group = process_group
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.precision: Precision = precision
+        self.watch: Watch = watch
+        self.device = next(iter(devices))
+        self.clip = clip or ClipPolicy()
+        self.spikes = spikes or SpikePolicy()
+        self.response = response or ResponsePolicy()
+        self.scaler = (
+            scaler if scaler is not None else DynamicLossScaler(enabled=precision == "fp16")
+        )
+        if precision != "fp16":
+            self.scaler.enabled = False
+        self.zclip = ZClip(self.clip.zclip) if self.clip.kind == "zclip" else None
+        self.loss_detector = _Detector(self.spikes) if self.spikes.watch_loss else None
+        self.norm_detector = _Detector(self.spikes) if self.spikes.watch_grad_norm else None
+        # The guard starts the monitor's steps itself, so records of every micro-batch
+        # of an accumulated step are there when the step is decided.
+        self.monitor = Monitor(model, auto_step=False).attach() if watch == "hooks" else None
+        self.events = EventLog(log)
+        self.step_count = 0
+        self.good_steps = 0
+        self.consecutive_bad = 0
+        self.rollbacks = 0
+        self.transients = 0
+        self.skip_remaining = 0
+        self.lr_factor = 1.0
+        self._lr_recover_from: float | None = None
+        self._lr_recover_step = 0
+        self._losses: list[torch.Tensor] = []
+        # The fault the last rollback answered; cleared by the next snapshot (training
+        # went on past it), so only a fault that returns before then stops the run.
+        self._rolled_back_for: tuple[str, str, str, str | None] | None = None
+        self._state = StepState(model)
+        self._state.save()
+        self._snapshot: Snapshot | None = None
+        self._take_snapshot(0)
+
+    @staticmethod
+    def _check_args(
+        model: nn.Module, optimizer: torch.optim.Optimizer, precision: str, watch: str
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Guard needs an nn.Module, got {type(model).__name__}")
@@ -130,6 +257,8 @@ class Guard:
             raise TypeError(f"Guard needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision={precision!r}; use 'fp32', 'bf16' or 'fp16'")
+        if watch not in ("replay", "hooks", "off"):
+            raise ValueError(f"watch={watch!r}; use 'replay' (default), 'hooks' or 'off'")
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if not opt_params:
             raise ValueError("the optimizer has no parameters; build it from model.parameters()")
@@ -146,44 +275,6 @@ class Guard:
                 f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
                 "the guard expects one device"
             )
-        if distributed is None:
-            import torch.distributed as dist
-
-            distributed = dist.is_available() and dist.is_initialized()
-        self.distributed = bool(distributed)
-        self.process_group = process_group
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.precision: Precision = precision
-        self.device = next(iter(devices))
-        self.clip = clip or ClipPolicy()
-        self.spikes = spikes or SpikePolicy()
-        self.response = response or ResponsePolicy()
-        self.scaler = (
-            scaler if scaler is not None else DynamicLossScaler(enabled=precision == "fp16")
-        )
-        if precision != "fp16":
-            self.scaler.enabled = False
-        self.zclip = ZClip(self.clip.zclip) if self.clip.kind == "zclip" else None
-        self.loss_detector = _Detector(self.spikes) if self.spikes.watch_loss else None
-        self.norm_detector = _Detector(self.spikes) if self.spikes.watch_grad_norm else None
-        # The guard starts the monitor's steps itself, so records of every micro-batch
-        # of an accumulated step are there when the step is decided.
-        self.monitor = Monitor(model, auto_step=False).attach() if monitor else None
-        self.events = EventLog(log)
-        self.step_count = 0
-        self.good_steps = 0
-        self.consecutive_bad = 0
-        self.rollbacks = 0
-        self.skip_remaining = 0
-        self.lr_factor = 1.0
-        self._lr_recover_from: float | None = None
-        self._lr_recover_step = 0
-        self._loss: torch.Tensor | None = None
-        self._losses: list[torch.Tensor] = []
-        self._snapshot: Snapshot | None = None
-        self._take_snapshot()
 
     # ----------------------------------------------------------------- loop API
     @contextlib.contextmanager
@@ -203,140 +294,352 @@ class Guard:
         gradients add up as usual and the step is decided on the mean loss.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("Guard.backward needs a scalar loss tensor")
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"Guard.backward needs a scalar loss tensor, got {got}")
         if self.monitor is not None:
             self.monitor.check_loss(loss)
-        # Several backward() calls before one step() (gradient accumulation): the step
-        # is decided on the mean of their losses (device ops, no sync).
+        # The step is decided on the mean of the micro-batches' losses (device ops).
         self._losses.append(loss.detach().float().reshape(()))
-        self._loss = torch.stack(self._losses).mean()
         target = self.scaler.scale(loss) if self.scaler.enabled else loss
         target.backward()  # type: ignore[no-untyped-call]
 
-    def step(self) -> StepResult:
-        """Decide on this step (one host read), apply or skip it, and zero the gradients."""
-        if self._loss is None:
-            raise RuntimeError("call guard.backward(loss) before guard.step()")
+    def step(self, closure: Closure | Sequence[Closure] | None = None) -> StepResult:
+        """Decide on this step (one host read), apply it or not, and zero the gradients.
+
+        ``closure``: a function running the forward and returning the loss (or a
+        sequence of them for gradient accumulation); without it, the losses given to
+        :meth:`backward` since the last step are decided on (no replay).
+        """
+        closures = self._closures(closure)
+        if closures:
+            self._state.rng = rng_state(self.model)  # the draws this step's forward makes
+            self._forward_backward(closures)
+        elif not self._losses:
+            raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
         step = self.step_count
         self.step_count += 1
+        gathered = self._gather()
+        read = self._read(gathered)
+        response, reason, fault = self._decide(step, read, closures)
+        return self._act(step, gathered, read, response, reason, fault)
+
+    # ------------------------------------------------------------------ run
+    @staticmethod
+    def _closures(closure: Closure | Sequence[Closure] | None) -> list[Closure]:
+        if closure is None:
+            return []
+        items = [closure] if callable(closure) else list(closure)
+        bad = [type(c).__name__ for c in items if not callable(c)]
+        if bad or not items:
+            raise TypeError(
+                f"Guard.step(closure) needs a callable returning the loss, or a non-empty "
+                f"sequence of them; got {bad[0] if bad else 'an empty sequence'}"
+            )
+        return items
+
+    def _forward_backward(self, closures: Sequence[Closure]) -> torch.Tensor:
+        """Run every closure's forward (under autocast) and backward; the mean loss."""
+        for c in closures:
+            with self.autocast():
+                loss = c()
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(
+                    f"the closure must return the loss tensor, got {type(loss).__name__}"
+                )
+            self.backward(loss)
+        return torch.stack(self._losses).mean()
+
+    # --------------------------------------------------------------- gather
+    def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.device]:
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         dev = params[0].device if params else self.device
-        if self.scaler.enabled:
-            found = self.scaler.unscale_(self.optimizer).to(dev)
-        else:
-            found = torch.zeros((), device=dev)
-        # After unscale_, which may replace a sparse gradient by its coalesced form.
-        grads = [p.grad for p in params if p.grad is not None]
+        return params, [p.grad for p in params if p.grad is not None], dev
+
+    def _gather(self) -> _Gathered:
+        """Unscale, norm and clip on device; pack what the read needs. No sync."""
+        params, _, dev = self._grads()
+        found = (
+            self.scaler.unscale_(self.optimizer).to(dev)
+            if self.scaler.enabled
+            else torch.zeros((), device=dev)
+        )
+        _, grads, _ = self._grads()  # after unscale_ (a sparse gradient is coalesced)
         norm = total_norm(grads).to(dev).float() if grads else torch.zeros((), device=dev)
+        coef, zstate = self._clip(params, grads, norm, dev)
+        loss = torch.stack(self._losses).mean().to(dev)
+        small = torch.stack([found.float(), norm, loss, coef])
+        if self.distributed:
+            small = self._all_reduce_mean(small)
+        packed_mon = self.monitor.packed_records() if self.monitor is not None else None
+        n = 0
+        if packed_mon is not None:
+            lo, hi = packed_mon
+            n = len(lo)
+            small = torch.cat([small, lo.to(dev).to(small.dtype), hi.to(dev).to(small.dtype)])
+        return _Gathered(small, norm, zstate, n)
+
+    def _clip(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        norm: torch.Tensor,
+        dev: torch.device,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         coef = torch.ones((), device=dev)
-        clip_value = clipped = None
+        zstate = None
         if grads and self.zclip is not None:
             clip_value, clipped, coef64 = self.zclip.compute(norm)
-            coef = coef64.float()
+            coef, zstate = coef64.float(), (clip_value, clipped)
         elif grads and self.clip.kind == "norm":
             coef = torch.clamp(self.clip.max_norm / (norm + 1e-6), max=1.0)
             coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-        if grads and self.clip.kind != "value":
-            torch._foreach_mul_(grads, coef)
-        elif grads:
+        if grads and self.clip.kind == "value":
             clip_grad_value_(params, self.clip.max_value)
-        small = torch.stack([found.float(), norm, self._loss.float().reshape(()).to(dev), coef])
-        if self.distributed:
-            # Every rank must take the same decision: one all-reduce of the 4 numbers
-            # (asynchronous on NCCL, so still no extra host sync). Flags > 0 on any rank
-            # stay > 0; NaN on any rank stays NaN; loss and norm become their means.
-            import torch.distributed as dist
+        elif grads and self.clip.kind != "none":
+            torch._foreach_mul_(grads, coef)
+        return coef, zstate
 
-            dist.all_reduce(small, op=dist.ReduceOp.SUM, group=self.process_group)
-            small = small / dist.get_world_size(self.process_group)
-        packed_mon = self.monitor._sentinel.packed() if self.monitor is not None else None
-        if packed_mon is not None:
-            lo, hi = packed_mon
-            small = torch.cat([small, lo.to(dev), hi.to(dev)])
+    def _all_reduce_mean(self, small: torch.Tensor) -> torch.Tensor:
+        # Flags > 0 on any rank stay > 0; NaN on any rank stays NaN; loss and norm
+        # become their means (asynchronous on NCCL: no extra host sync).
+        import torch.distributed as dist
+
+        dist.all_reduce(small, op=dist.ReduceOp.SUM, group=self.process_group)
+        return small / dist.get_world_size(self.process_group)
+
+    # ----------------------------------------------------------------- read
+    def _read(self, g: _Gathered) -> _Read:
         # The one host read of the step: flags, norm, loss, coefficient, monitor records.
-        values = small.tolist()
-        overflow, gnorm, loss_v, coef_v = values[0] > 0, values[1], values[2], values[3]
-        fault: Fault | None = None
-        if packed_mon is not None and self.monitor is not None:
-            n = len(packed_mon[0])
+        values = g.packed.tolist()
+        fault = None
+        if self.monitor is not None and g.monitor_slots:
+            n = g.monitor_slots
             faults = self.monitor.faults_from(values[4 : 4 + n], values[4 + n :])
             fault = faults[0] if faults else None
-        scale = self.scaler.get_scale()
-        reason: str | None = None
-        if overflow or not math.isfinite(gnorm):
-            reason = "overflow" if self.scaler.enabled else "nonfinite_grad"
-        elif not math.isfinite(loss_v):
-            reason = "nonfinite_loss"
-        elif self.loss_detector is not None and self.loss_detector.would_spike(loss_v):
-            reason = "loss_spike"
-        elif self.norm_detector is not None and self.norm_detector.would_spike(gnorm):
-            reason = "grad_norm_spike"
-        if fault is not None:
-            self.events.emit(
-                "fault", step, phase=fault.phase, module=fault.module, tensor=fault.tensor,
-                kind_of_value=fault.kind, shape=list(fault.shape),
-            )  # fmt: skip
-        if self.skip_remaining > 0 and reason is None:
+        return _Read(values[0] > 0, values[1], values[2], values[3], fault)
+
+    # --------------------------------------------------------------- decide
+    def _decide(
+        self, step: int, read: _Read, closures: Sequence[Closure]
+    ) -> tuple[_Response, str | None, Fault | None]:
+        """The signal, then (on a non-finite step) the cause, then the response."""
+        finite_loss = math.isfinite(read.loss)
+        if (
+            self.scaler.enabled
+            and finite_loss
+            and (read.overflow or not math.isfinite(read.grad_norm))
+        ):
+            return self._agree("backoff"), "overflow", None
+        if not finite_loss or read.overflow or not math.isfinite(read.grad_norm):
+            fault = self._localize(step, read, closures)
+            response, reason = self._respond_to_fault(fault, finite_loss)
+            return self._agree(response), reason, fault
+        spike = self._spike(read)
+        if spike is not None:
+            return self._agree("ladder"), spike, None
+        if self.skip_remaining > 0:
             self.skip_remaining -= 1
-            reason = "after_rollback"
-        action: Action
-        if reason is None:
-            action = "applied"
-            self._apply()
-            if self.zclip is not None and clip_value is not None and clipped is not None:
-                self.zclip.update(norm, clip_value, clipped)
-            self.scaler.update(found_inf=False)
-            for det, v in ((self.loss_detector, loss_v), (self.norm_detector, gnorm)):
-                if det is not None:
-                    det.record(v)
-            self.consecutive_bad = 0
-            self.good_steps += 1
-            self._recover_lr()
-            if self.good_steps % self.response.snapshot_every == 0:
-                self._take_snapshot()
-        else:
-            action = "skipped"
-            if reason == "overflow":
-                before = self.scaler.get_scale()
-                self.scaler.update(found_inf=True)
-                self.events.emit(
-                    "overflow", step, scale_before=before, scale_after=self.scaler.get_scale()
-                )
-            else:
-                self.scaler._unscaled = False  # hold the scaler's growth: the step did not happen
-            if reason in ("loss_spike", "grad_norm_spike"):
-                value = loss_v if reason == "loss_spike" else gnorm
-                self.events.emit("spike", step, signal=reason.removesuffix("_spike"), value=value)
-            if reason != "after_rollback":
-                self.consecutive_bad += 1
-                action = self._escalate(step)
+            return "skip", "after_rollback", None
+        return "apply", None, None
+
+    def _spike(self, read: _Read) -> str | None:
+        if self.loss_detector is not None and self.loss_detector.would_spike(read.loss):
+            return "loss_spike"
+        if self.norm_detector is not None and self.norm_detector.would_spike(read.grad_norm):
+            return "grad_norm_spike"
+        return None
+
+    def _localize(self, step: int, read: _Read, closures: Sequence[Closure]) -> Fault | None:
+        """Where the non-finite value was born: a bad parameter, else a replay of the
+        step (with a closure), else the hook monitor's records (watch="hooks")."""
+        bad_param = self._bad_parameter(step)
+        if bad_param is not None:
+            return bad_param
+        if closures and self.watch != "off":
+            return self._replay(step, closures, math.isfinite(read.loss))
+        return read.monitor_fault
+
+    def _bad_parameter(self, step: int) -> Fault | None:
+        """The first non-finite parameter or optimizer-state tensor (bad steps only)."""
+        tensors: list[tuple[str, str, torch.Tensor]] = []  # (owner module, role, tensor)
+        for name, p in self.model.named_parameters():
+            owner, _, pname = name.rpartition(".")
+            tensors.append((owner, f"param:{pname}", p))
+            for key, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1:
+                    tensors.append((owner, f"optimizer:{pname}.{key}", v))
+        checks = [values_of(t).isfinite().all().to(self.device) for _, _, t in tensors]
+        flags = torch.stack(checks).tolist() if checks else []  # a bad step's second read
+        for (owner, role, t), ok in zip(tensors, flags, strict=True):
+            if not ok:
+                kind: Literal["nan", "inf"] = "nan" if bool(values_of(t).isnan().any()) else "inf"
+                shape = tuple(t.shape)
+                return Fault(step, "param", owner, role, kind, shape, None, "parameter", None, True)
+        return None
+
+    def _replay(self, step: int, closures: Sequence[Closure], loss_was_finite: bool) -> Fault:
+        """Re-run the step from its starting state under the op-level replay."""
+        after = rng_state(self.model)
         self.optimizer.zero_grad(set_to_none=True)
-        self._loss = None
+        self._state.restore_buffers()
+        self._state.restore_rng()
         self._losses = []
-        if self.monitor is not None:
-            self.monitor.next_step()
+        sync = getattr(self.model, "no_sync", None)  # DDP: no gradient all-reduce in replay
+        with sync() if callable(sync) else contextlib.nullcontext():
+            found = run_localized(lambda: self._forward_backward(closures), model=self.model)
+        reproduced = self._step_is_bad()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._losses = []
+        set_rng_state(after)
+        if found is not None and reproduced:
+            return _fault_from_replay(step, found, True)
+        phase: Literal["loss", "backward"] = "backward" if loss_was_finite else "loss"
+        tensor = "grad" if loss_was_finite else "loss"
+        return Fault(step, phase, "", tensor, "nan", (), None, None, None, reproduced)
+
+    def _step_is_bad(self) -> bool:
+        """Whether the replayed step was bad again (loss or a gradient non-finite)."""
+        _, grads, dev = self._grads()
+        flags = [torch.stack(self._losses).isfinite().all().to(dev)] if self._losses else []
+        flags += [g.detach().isfinite().all().to(dev) for g in grads if g.layout == torch.strided]
+        return not all(torch.stack(flags).tolist()) if flags else False
+
+    def _respond_to_fault(self, fault: Fault | None, finite_loss: bool) -> tuple[_Response, str]:
+        generic = "nonfinite_grad" if finite_loss else "nonfinite_loss"
+        if fault is None:
+            return "ladder", generic
+        again = bool(fault.deterministic) and self._rolled_back_for == _fault_key(fault)
+        if fault.phase == "param":
+            return ("stop" if again else "rollback"), "nonfinite_param"
+        if fault.deterministic is False:
+            return "skip", "transient"
+        if fault.phase == "input":
+            return "skip", "nonfinite_input"
+        return ("stop" if again else "ladder"), generic
+
+    def _agree(self, response: _Response) -> _Response:
+        """Under torch.distributed, the strongest response any rank chose (bad steps)."""
+        if not self.distributed:
+            return response
+        import torch.distributed as dist
+
+        code = torch.full((), float(_STRENGTH[response]), device=self.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.process_group)
+        strength = int(code.item())
+        return next(r for r, s in _STRENGTH.items() if s == strength)
+
+    # ------------------------------------------------------------------ act
+    def _act(
+        self,
+        step: int,
+        g: _Gathered,
+        read: _Read,
+        response: _Response,
+        reason: str | None,
+        fault: Fault | None,
+    ) -> StepResult:
+        scale = self.scaler.get_scale()
+        if fault is not None:
+            self._emit_fault(step, fault)
+        action: Action = "skipped"
+        if response == "apply":
+            self._apply(step, g, read)
+            action = "applied"
+        else:
+            self._undo()
+            if response == "backoff":
+                self._back_off_scale(step)
+            else:
+                self.scaler.skip_step()
+            if reason in ("loss_spike", "grad_norm_spike"):
+                value = read.loss if reason == "loss_spike" else read.grad_norm
+                self.events.emit("spike", step, signal=reason.removesuffix("_spike"), value=value)
+            if reason == "transient":
+                self._count_transient(step, fault)
+            if response == "stop":
+                self._stop(step, fault)
+            elif response == "rollback":
+                action = self._rollback(step, fault, lr_backoff=False)
+            elif response == "ladder":
+                self.consecutive_bad += 1
+                action = self._escalate(step, fault)
+        self._end_step()
         result = StepResult(
-            step, action, reason, loss_v, gnorm, scale, coef_v, self.lr_factor, fault
-        )
+            step, action, reason, read.loss, read.grad_norm, scale, read.clip_coef,
+            self.lr_factor, fault,
+        )  # fmt: skip
         self.events.emit(
-            "step", step, action=action, reason=reason, loss=loss_v, grad_norm=gnorm,
-            clip_coef=coef_v, scale=scale, lr_factor=self.lr_factor,
+            "step", step, action=action, reason=reason, loss=read.loss,
+            grad_norm=read.grad_norm, clip_coef=read.clip_coef, scale=scale,
+            lr_factor=self.lr_factor,
         )  # fmt: skip
         return result
 
-    # ------------------------------------------------------------- internals
-    def _apply(self) -> None:
+    def _apply(self, step: int, g: _Gathered, read: _Read) -> None:
+        # The weights just gave a finite loss and gradients: a snapshot of them is good.
+        if self.good_steps % self.response.snapshot_every == 0 and self.good_steps:
+            self._take_snapshot(step)
+        self._optimizer_step()
+        if self.zclip is not None and g.zclip is not None:
+            self.zclip.update(g.norm, *g.zclip)
+        self.scaler.update(found_inf=False)
+        for det, v in ((self.loss_detector, read.loss), (self.norm_detector, read.grad_norm)):
+            if det is not None:
+                det.record(v)
+        self.consecutive_bad = 0
+        self.good_steps += 1
+        self._recover_lr()
+
+    def _optimizer_step(self) -> None:
         if self.lr_factor != 1.0:
-            saved = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
-                g["lr"] = g["lr"] * self.lr_factor
+            saved = [pg["lr"] for pg in self.optimizer.param_groups]
+            for pg in self.optimizer.param_groups:
+                pg["lr"] = pg["lr"] * self.lr_factor
             self.optimizer.step()
-            for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
-                g["lr"] = lr
+            for pg, lr in zip(self.optimizer.param_groups, saved, strict=True):
+                pg["lr"] = lr
         else:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def _undo(self) -> None:
+        """A step not applied leaves no trace in the buffers it changed."""
+        self._state.restore_buffers()
+
+    def _back_off_scale(self, step: int) -> None:
+        before = self.scaler.get_scale()
+        self.scaler.update(found_inf=True)
+        self.events.emit("overflow", step, scale_before=before, scale_after=self.scaler.get_scale())
+
+    def _count_transient(self, step: int, fault: Fault | None) -> None:
+        self.transients += 1
+        if self.transients in (
+            self.response.transient_warn_after,
+            10 * self.response.transient_warn_after,
+        ):
+            self.events.emit(
+                "warning", step, transients=self.transients,
+                message=(
+                    f"{self.transients} non-finite steps did not reproduce when replayed: "
+                    "suspect a nondeterministic kernel, a race (asynchronous copies, "
+                    "streams) or failing hardware"
+                ),
+            )  # fmt: skip
+
+    def _end_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._losses = []
+        if self.monitor is not None:
+            self.monitor.next_step()
+        self._state.save()
+
+    def _emit_fault(self, step: int, fault: Fault) -> None:
+        self.events.emit(
+            "fault", step, phase=fault.phase, module=fault.module, tensor=fault.tensor,
+            kind_of_value=fault.kind, shape=list(fault.shape), op=fault.op,
+            source=fault.source, deterministic=fault.deterministic,
+        )  # fmt: skip
 
     def _recover_lr(self) -> None:
         if self._lr_recover_from is None:
@@ -348,16 +651,19 @@ class Guard:
             self._lr_recover_from = None
             self.lr_factor = 1.0
 
-    def _escalate(self, step: int) -> Action:
+    def _escalate(self, step: int, fault: Fault | None) -> Action:
         r = self.response
         if self.consecutive_bad >= r.rollback_after:
-            return self._rollback(step)
+            return self._rollback(step, fault, lr_backoff=True)
         if self.consecutive_bad >= r.lr_backoff_after:
-            self.lr_factor *= r.lr_backoff_factor
-            self._lr_recover_from = self.lr_factor
-            self._lr_recover_step = 0
-            self.events.emit("lr_backoff", step, factor=self.lr_factor)
+            self._back_off_lr(step)
         return "skipped"
+
+    def _back_off_lr(self, step: int) -> None:
+        self.lr_factor *= self.response.lr_backoff_factor
+        self._lr_recover_from = self.lr_factor
+        self._lr_recover_step = 0
+        self.events.emit("lr_backoff", step, factor=self.lr_factor)
 
     def _stateful(self) -> dict[str, Any]:
         objs: dict[str, Any] = {
@@ -375,18 +681,44 @@ class Guard:
             objs["norm_detector"] = self.norm_detector
         return objs
 
-    def _take_snapshot(self) -> None:
+    def _take_snapshot(self, step: int) -> None:
+        """Snapshot the state before step ``step`` is applied (its weights just gave a
+        finite loss and gradients). Copied into the previous snapshot's memory."""
+        self._rolled_back_for = None
         self._snapshot = Snapshot.capture(
-            self.step_count, self._stateful(), meta={"good": self.good_steps}
+            step,
+            self._stateful(),
+            meta={"good": self.good_steps},
+            reuse=self._snapshot,
         )
         where = "memory"
         if self.response.snapshot_dir is not None:
             path = Path(self.response.snapshot_dir) / "floatguard-snapshot.pt"
             self._snapshot.save(path)
             where = str(path)
-        self.events.emit("snapshot", self.step_count, where=where)
+        self.events.emit("snapshot", step, where=where)
 
-    def _rollback(self, step: int) -> Action:
+    @property
+    def last_snapshot(self) -> Snapshot | None:
+        """The snapshot a rollback would restore (in memory)."""
+        return self._snapshot
+
+    def _stop(self, step: int, fault: Fault | None) -> None:
+        report = {
+            "step": step,
+            "rollbacks": self.rollbacks,
+            "events": len(self.events.events),
+            "fault": str(fault) if fault is not None else None,
+        }
+        why = "the same deterministic fault came back after a rollback"
+        self.events.emit("stop", step, reason="repeated_fault", fault=report["fault"])
+        raise GuardStopped(
+            f"training stopped at step {step}: {why}: {fault}. Rolling back again would "
+            "loop; fix the cause (see the fault's module, op and line)",
+            report,
+        )
+
+    def _rollback(self, step: int, fault: Fault | None, *, lr_backoff: bool) -> Action:
         self.rollbacks += 1
         if self.rollbacks > self.response.max_rollbacks:
             report = {
@@ -404,17 +736,21 @@ class Guard:
         self._snapshot.restore(self._stateful())
         self.consecutive_bad = 0
         self.skip_remaining = self.response.skip_batches
-        self.lr_factor = self.response.lr_backoff_factor
-        self._lr_recover_from = self.lr_factor
-        self._lr_recover_step = 0
+        if fault is not None and fault.deterministic:
+            self._rolled_back_for = _fault_key(fault)
+        if lr_backoff:
+            self.lr_factor = self.response.lr_backoff_factor
+            self._lr_recover_from = self.lr_factor
+            self._lr_recover_step = 0
         self.events.emit(
             "rollback", step, to_step=self._snapshot.step, rollbacks=self.rollbacks,
             skip_batches=self.response.skip_batches,
+            cause=None if fault is None else f"{fault.phase}:{fault.module}:{fault.tensor}",
         )  # fmt: skip
         return "rolled_back"
 
     def close(self) -> None:
-        """Detach the monitor and close the event log."""
+        """Detach the monitor (watch="hooks") and close the event log."""
         if self.monitor is not None:
             self.monitor.detach()
         self.events.close()

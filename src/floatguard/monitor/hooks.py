@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from floatguard._values import values_of
 from floatguard.formats.registry import get
+from floatguard.monitor import _context
 from floatguard.monitor.bounds import (
     PROVABLE_DTYPES,
     Rule,
@@ -345,6 +346,18 @@ class Monitor:
             h.remove()
         self._step_handles.clear()
 
+    def _ignored(self) -> bool:
+        """Passes the monitor does not record: a replay's (not a step of the run), and,
+        when the caller drives the steps (``auto_step=False``, as the guard does),
+        forwards without grad (evaluation between steps: they would pile up)."""
+        return _context.is_replaying() or (not self.auto_step and not torch.is_grad_enabled())
+
+    def packed_records(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(min, max) of every read record of this step as two device vectors, for a
+        caller that folds them into its own single host read (the guard does); give
+        the host copies to :meth:`faults_from`. None when nothing was recorded."""
+        return self._sentinel.packed()
+
     def _hyper_of(self, m: nn.Module) -> tuple[Any, ...]:
         """The module's rule hyper-parameters, looked up once per step."""
         h = self._hypers.get(id(m))
@@ -435,6 +448,8 @@ class Monitor:
         is_embedding = type(module) is nn.Embedding
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self._ignored():
+                return None
             if is_root and not self._stack:
                 if self.auto_step and (self._backward_seen or not self._last_forward_grad):
                     self.next_step()
@@ -512,6 +527,8 @@ class Monitor:
 
     def _post_hook(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            if self._ignored():
+                return None
             on_top = bool(self._stack) and self._stack[-1] == name
             path = tuple(self._stack) if on_top else (name,)
             frame = self._frames[-1] if on_top and self._frames else None
@@ -666,6 +683,8 @@ class Monitor:
             path = ("",)
 
         def hook(grad: torch.Tensor) -> None:
+            if _context.is_replaying():
+                return None
             self._backward_seen = True
             if grad is not None and (grad.is_floating_point() or grad.is_complex()):
                 self._add("bwd_param_grad", path, f"param:{pname}", grad)
@@ -738,7 +757,7 @@ class Monitor:
                     tensor=role,
                     shape=rec.shape,
                     has_nan=bool(s.has_nan) if s is not None else st == "nan",
-                    has_inf=bool(s.has_inf) if s is not None else st == "inf",
+                    has_inf=bool(s.has_inf) if s is not None else st in ("inf", "ninf"),
                     min=float(s.min) if s is not None and int(s.finite_nonzero + s.zeros) else None,
                     max=float(s.max) if s is not None and int(s.finite_nonzero + s.zeros) else None,
                 )

@@ -1,35 +1,53 @@
-"""Op-level replay: re-run a step under a dispatch mode and name the first aten op that broke.
+"""Op-level replay: re-run a step under a dispatch mode and name where its first harmful
+non-finite value was born: module, phase, aten op and the user's line.
 
-Every aten op the step runs, forward and backward, passes through a
-``TorchDispatchMode``; the first one whose floating (or complex) tensor inputs
-are all finite and whose output is not is reported, or, where an input held
-±inf but no NaN, the first whose output holds a NaN (a softmax over a row that
-an intended -inf mask filled entirely). Fill-type ops given a non-finite fill
-value, such as a mask filled with -inf, are intended and skipped. Inputs are
-judged before the op runs (an in-place op overwrites them); ``out=`` buffers
-are not inputs; a sparse tensor is judged by the dense tensor it stands for
-(duplicate entries summed). The result carries statistics of the op's inputs
-and outputs and the line of user code that called it (for backward ops, the
-forward line that created the autograd node, recorded by anomaly mode's
-traceback). Every op's inputs are read on the host: this is a debugging tool
-that costs nothing until you call it.
+Words used here:
+
+- *candidate*: an op whose floating inputs were free of NaN and +inf and whose output
+  holds a NaN, or whose inputs were all finite and whose output holds an inf. Inputs
+  are judged before the op runs (an in-place op overwrites them); ``out=`` buffers are
+  not inputs; a sparse tensor is judged by the dense tensor it stands for.
+- *intended infinity*: ``-inf`` that is data, not a fault: a mask filled with
+  ``-inf`` (fill-type ops given a non-finite scalar are never candidates), log-space
+  padding, ``-inf`` in the model's inputs. An op whose only non-finite outputs are
+  ``-inf`` is a candidate of the last resort (``log(0)`` masked by a ``where`` is
+  intended; ``log(0)`` that reaches the loss is not).
+- *harm*: what made the step bad. A non-finite loss points into the forward pass
+  (the model's inputs, its parameters, its modules, the loss code); a finite loss with
+  non-finite gradients points into the backward pass.
+- *birth*: the candidate reported. In order: a non-finite parameter (phase "param");
+  NaN or +inf in the model's inputs ("input"); the first candidate of the pass the
+  harm points to that is not ``-inf`` only; the first candidate of that pass; the
+  first candidate at all.
+
+Module context comes from global module hooks, which also tag each autograd node
+with the module whose call created it (so a backward op names its module). The
+phase of a forward op is "forward" inside a module of the model, "input" before the
+model ran, "loss" after it. A backward op whose non-finite output becomes a
+parameter's gradient is "param_grad". Backward ops name the forward line that made
+their node (anomaly mode's traceback). Every op's inputs are read on the host: this
+costs nothing until a step goes bad, and then a few steps' time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import traceback
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from floatguard._values import values_of
+from floatguard.monitor import _context
+from floatguard.monitor.localize import Phase
 from floatguard.stats import TensorStats, tensor_stats
 
 __all__ = ["ReplayResult", "replay"]
@@ -44,19 +62,34 @@ _FILLS = (
 )  # fmt: skip
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_TAG = "floatguard_module"
+_MAX_CANDIDATES = 256
 
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """The first aten op that turned finite inputs into a non-finite output."""
+    """Where the step's first harmful non-finite value was born.
+
+    ``op``: the aten op (``"aten.log.default"``), or ``"parameter"`` / ``"input"``
+    when the value was already there. ``phase``: "param", "input", "forward",
+    "loss", "backward" or "param_grad". ``module``: qualified name in the model
+    ("" for the root, None when no module was running). ``tensor``: the role
+    (``"output"``, ``"grad"``, ``"input[0]"``, ``"param:weight"``). ``kind``: "nan" or
+    "inf". ``source``: the user's line (for backward ops, the forward line that made
+    the node). ``deterministic``: with ``repeat >= 2``, whether every run found the
+    same op at the same line (None with one run).
+    """
 
     op: str
-    phase: Literal["forward", "backward"]
+    phase: Phase
     kind: Literal["nan", "inf"]
     source: str | None
     inputs: list[TensorStats] = field(repr=False)
     outputs: list[TensorStats] = field(repr=False)
     deterministic: bool | None = None
+    module: str | None = None
+    tensor: str = "output"
+    shape: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         det = (
@@ -64,9 +97,22 @@ class ReplayResult:
             if self.deterministic is None
             else (" (deterministic)" if self.deterministic else " (NOT deterministic)")
         )
-        return f"{self.kind} first produced by {self.op} in {self.phase} at {self.source}{det}"
+        where = "" if self.module is None else f" in {self.module or '<root>'}"
+        return (
+            f"{self.kind} first produced by {self.op}{where} in {self.phase} "
+            f"({self.tensor}) at {self.source}{det}"
+        )
 
 
+@dataclass
+class _Candidate:
+    result: ReplayResult
+    backward: bool
+    ninf_only: bool
+    storages: tuple[int, ...] = ()
+
+
+# ----------------------------------------------------------------- source lines
 def _user_frame(frames: list[traceback.FrameSummary]) -> str | None:
     for fr in reversed(frames):
         path = os.path.abspath(fr.filename)
@@ -77,29 +123,31 @@ def _user_frame(frames: list[traceback.FrameSummary]) -> str | None:
     return None
 
 
+def _engine_frame(frames: list[traceback.FrameSummary]) -> str | None:
+    """The user's frame among those the autograd engine called (hooks, backward())."""
+    starts = [i for i, fr in enumerate(frames) if fr.name == "_engine_run_backward"]
+    return _user_frame(frames[starts[-1] + 1 :]) if starts else None
+
+
 def _from_anomaly_trace(node: Any) -> str | None:
     meta = getattr(node, "metadata", None)
     text = meta.get("traceback_") if isinstance(meta, dict) else None
     if not text:
         return None
-    lines = text if isinstance(text, list) else [text]
-    frames = traceback.StackSummary.from_list([])
+    blob = "".join(text if isinstance(text, list) else [text])
     parsed: list[traceback.FrameSummary] = []
-    blob = "".join(lines)
-    chunks = blob.split('  File "')[1:]
-    for chunk in chunks:
+    for chunk in blob.split('  File "')[1:]:
         head, _, rest = chunk.partition("\n")
+        fname, _, tail = head.partition('", line ')
         try:
-            fname, _, tail = head.partition('", line ')
             lineno = int(tail.split(",")[0])
         except ValueError:
             continue
-        code = rest.split("\n")[0].strip()
-        parsed.append(traceback.FrameSummary(fname, lineno, "", line=code))
-    del frames
+        parsed.append(traceback.FrameSummary(fname, lineno, "", line=rest.split("\n")[0].strip()))
     return _user_frame(parsed)
 
 
+# ----------------------------------------------------------------- values
 def _floats(obj: Any) -> tuple[list[torch.Tensor], list[float]]:
     leaves, _ = tree_flatten(obj)
     tensors = [
@@ -109,6 +157,21 @@ def _floats(obj: Any) -> tuple[list[torch.Tensor], list[float]]:
     ]
     scalars = [float(x) for x in leaves if isinstance(x, float)]
     return tensors, scalars
+
+
+def _severity(t: torch.Tensor) -> int:
+    """0 finite, 1 -inf only (no NaN, no +inf), 2 NaN or +inf. One host read."""
+    if t.numel() == 0:
+        return 0
+    lo, hi = torch.aminmax(t.detach().reshape(-1).float() if t.dtype.itemsize < 2 else t)
+    a, b = float(lo), float(hi)  # NaN propagates through aminmax
+    if a != a or b != b or b == math.inf:
+        return 2
+    return 1 if a == -math.inf else 0
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    return bool(torch.isnan(t).any())
 
 
 _OUT_ARGS: dict[Any, frozenset[str]] = {}
@@ -124,18 +187,144 @@ def _out_args(func: Any) -> frozenset[str]:
     return names
 
 
-class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """The birth rule, per op: finite inputs and a non-finite output, or inputs free of
-    NaN (an intended -inf mask, say) and a NaN output. Inputs are judged before the op
-    runs (an in-place op overwrites them); ``out=`` buffers are not inputs."""
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
 
-    def __init__(self) -> None:
+
+# ----------------------------------------------------------------- module context
+class _Context:
+    """The module running now (global module hooks), whether the model has run, and
+    the parameters of the model (checked once, before it first runs)."""
+
+    def __init__(self, model: nn.Module | None) -> None:
+        # A compiled model (torch.compile's wrapper) is named by the module it wraps.
+        model = getattr(model, "_orig_mod", model)
+        self.model = model
+        self.names: dict[int, str] = (
+            {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        )
+        self.stack: list[str | None] = []
+        self.started = False
+        self.done = False
+        self.early: list[_Candidate] = []  # parameter and input births, found in pre-hooks
+        self.notes: list[str] = []
+        self.given = model is not None  # then the model's own hook reads its kwargs too
+        self.inputs_checked = False
+
+    def current(self) -> str | None:
+        for name in reversed(self.stack):
+            if name is not None:
+                return name
+        return None
+
+    def _root(self, module: nn.Module) -> bool:
+        if self.model is None and not self.names:
+            self.model = module  # the first module called is the model
+            self.names = {id(m): n for n, m in module.named_modules()}
+        return module is self.model
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        is_root = self._root(module) and not any(n is not None for n in self.stack)
+        if is_root and not self.started:
+            self.started = True
+            self._check_params(module)
+            if not self.given:
+                self._check_inputs(args, kwargs)
+        self.stack.append(self.names.get(id(module)))
+
+    def model_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The model's own pre-hook (with kwargs): its inputs, on its first call."""
+        if not self.inputs_checked and len(self.stack) == 1:
+            self.inputs_checked = True
+            if not self.early:
+                self._check_inputs(args, kwargs)
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self.stack.pop() if self.stack else None
+        if name is not None and torch.is_grad_enabled():
+            _tag(output, args, name)
+        if module is self.model and not any(n is not None for n in self.stack):
+            self.done = True
+
+    def _check_params(self, model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            if (p.is_floating_point() or p.is_complex()) and _severity(values_of(p)):
+                owner, _, pname = name.rpartition(".")
+                kind: Literal["nan", "inf"] = (
+                    "nan" if bool(torch.isnan(values_of(p)).any()) else "inf"
+                )
+                st = tensor_stats(values_of(p))
+                res = ReplayResult(
+                    "parameter", "param", kind, None, [], [st], None, owner,
+                    f"param:{pname}", tuple(p.shape),
+                )  # fmt: skip
+                self.early.append(_Candidate(res, False, False))
+                return
+
+    def _check_inputs(self, args: Any, kwargs: Any) -> None:
+        leaves, _ = tree_flatten((args, kwargs))
+        i = 0
+        for x in leaves:
+            if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+                continue
+            sev = _severity(values_of(x))
+            if sev == 2:
+                kind: Literal["nan", "inf"] = (
+                    "nan" if bool(torch.isnan(values_of(x)).any()) else "inf"
+                )
+                st = tensor_stats(values_of(x))
+                res = ReplayResult(
+                    "input", "input", kind, None, [], [st], None, "", f"input[{i}]",
+                    tuple(x.shape),
+                )  # fmt: skip
+                self.early.append(_Candidate(res, False, False))
+                return
+            if sev == 1:
+                self.notes.append(f"input[{i}] holds -inf (taken as an intended mask)")
+            i += 1
+
+
+def _grad_fns(obj: Any) -> list[Any]:
+    leaves, _ = tree_flatten(obj)
+    return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def _tag(outputs: Any, inputs: Any, name: str) -> None:
+    """Tag the autograd nodes a module's call made with its name: those reachable from
+    its outputs without passing its inputs' nodes or nodes already tagged (a child's,
+    tagged when the child returned). Custom Functions' nodes are tagged too."""
+    frontier = {id(n) for n in _grad_fns(inputs)}
+    todo = _grad_fns(outputs)
+    seen: set[int] = set()
+    while todo:
+        n = todo.pop()
+        if id(n) in seen or id(n) in frontier:
+            continue
+        seen.add(id(n))
+        meta = n.metadata
+        if _TAG in meta or n.name() == "torch::autograd::AccumulateGrad":
+            continue
+        meta[_TAG] = name
+        todo.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
+
+
+# ----------------------------------------------------------------- the dispatch mode
+class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Collects the candidates, in execution order, with their module and phase."""
+
+    def __init__(self, ctx: _Context) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.found: ReplayResult | None = None
+        self.ctx = ctx
+        self.candidates: list[_Candidate] = []
+        self.backward_started = False
+        self.last_forward_bad = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.found is not None:
+        if len(self.candidates) >= _MAX_CANDIDATES:
             return func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         if name in _SKIP:
@@ -145,76 +334,213 @@ class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
         in_t, in_s = _floats((args, ins))
         if name in _FILLS and any(not math.isfinite(v) for v in in_s):
             return func(*args, **kwargs)  # a mask filled with -inf: intended
-        finite = all(bool(torch.isfinite(t).all()) for t in in_t)
-        if not finite and any(bool(torch.isnan(t).any()) for t in in_t):
-            return func(*args, **kwargs)  # NaN in, NaN out: a consequence
+        level = max((_severity(t) for t in in_t), default=0)
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            self.backward_started = True
+        forward = node is None and not self.backward_started
+        if level == 2:
+            out = func(*args, **kwargs)  # NaN or +inf in: a consequence
+            if forward:
+                self.last_forward_bad = True
+            return out
         stats_in = [tensor_stats(t) for t in in_t]  # before an in-place op changes them
         out = func(*args, **kwargs)
         out_t, _ = _floats(out)
-        if finite:
-            bad = [t for t in out_t if not bool(torch.isfinite(t).all())]
+        sev = [_severity(t) for t in out_t]
+        if forward:
+            self.last_forward_bad = any(sev)
+        # Finite in: any non-finite out is born here. -inf in (a mask): only a NaN is
+        # (the softmax of a fully masked row); -(-inf) = +inf is the mask's own value.
+        if level == 0:
+            bad = [t for t, s in zip(out_t, sev, strict=True) if s > 0]
         else:
-            bad = [t for t in out_t if bool(torch.isnan(t).any())]
+            bad = [t for t, s in zip(out_t, sev, strict=True) if s == 2 and _has_nan(t)]
         if not bad:
             return out
-        kind: Literal["nan", "inf"] = (
-            "nan" if any(bool(torch.isnan(t).any()) for t in bad) else "inf"
-        )
-        node = torch._C._current_autograd_node()
-        phase: Literal["forward", "backward"] = "backward" if node is not None else "forward"
-        source = (
-            _from_anomaly_trace(node)
-            if node is not None
-            else _user_frame(traceback.extract_stack()[:-1])
-        )
-        self.found = ReplayResult(
-            op=str(func),
-            phase=phase,
-            kind=kind,
-            source=source,
-            inputs=stats_in,
-            outputs=[tensor_stats(t) for t in out_t],
+        kind: Literal["nan", "inf"] = "nan" if any(_has_nan(t) for t in bad) else "inf"
+        ninf_only = kind == "inf" and all(_severity(t) == 1 for t in bad)
+        module: str | None
+        if node is not None:
+            phase: Phase = "backward"
+            module = node.metadata.get(_TAG)  # type: ignore[attr-defined]
+            # Python code the engine runs (a hook, a custom Function's backward) is the
+            # line to name; otherwise the forward line that made the node.
+            source = _engine_frame(traceback.extract_stack()[:-1]) or _from_anomaly_trace(node)
+            role = "grad"
+        else:
+            module = self.ctx.current()
+            phase = "forward" if module is not None else ("loss" if self.ctx.done else "input")
+            if phase == "loss":
+                module = ""
+            source = _user_frame(traceback.extract_stack()[:-1])
+            role = "output" if phase != "loss" else "loss"
+        res = ReplayResult(
+            str(func), phase, kind, source, stats_in, [tensor_stats(t) for t in out_t],
+            None, module, role, tuple(bad[0].shape),
+        )  # fmt: skip
+        self.candidates.append(
+            _Candidate(res, node is not None, ninf_only, tuple(_storage(t) for t in bad))
         )
         return out
 
 
-def _run_once(step_fn: Callable[[], object]) -> ReplayResult | None:
-    mode = _FirstNonFinite()
+def _param_grad_hooks(
+    model: nn.Module | None, births: _Births
+) -> tuple[list[Any], dict[int, tuple[str, str]]]:
+    """Hooks that tell which backward candidate became which parameter's gradient."""
+    handles: list[Any] = []
+    hits: dict[int, tuple[str, str]] = {}
+    if model is None:
+        return handles, hits
+    seen: set[int] = set()
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+
+            def hook(g: torch.Tensor, owner: str = mname, pn: str = pname) -> None:
+                if g is None or g.layout != torch.strided:
+                    return
+                ptr = _storage(g)
+                for i, c in enumerate(births.candidates):
+                    if c.backward and ptr in c.storages and i not in hits:
+                        hits[i] = (owner, pn)
+
+            handles.append(p.register_hook(hook))
+    return handles, hits
+
+
+@contextlib.contextmanager
+def _module_hooks(ctx: _Context) -> Iterator[None]:
+    from torch.nn.modules import module as mod
+
+    pre = mod.register_module_forward_pre_hook(lambda m, a: ctx.pre(m, a, {}))
+    try:
+        post = mod.register_module_forward_hook(ctx.post, always_call=True)
+    except TypeError:  # torch without always_call for global hooks
+        post = mod.register_module_forward_hook(ctx.post)
+    own = (
+        ctx.model.register_forward_pre_hook(ctx.model_pre, with_kwargs=True)
+        if ctx.given and ctx.model is not None
+        else None
+    )
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+        if own is not None:
+            own.remove()
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Run compiled models eagerly, so every op passes through the modes."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    if stance is None:
+        from torch._dynamo import config as dynamo_config
+
+        with dynamo_config.patch(disable=True):
+            yield
+        return
+    with stance("force_eager"):
+        yield
+
+
+def _choose(
+    ctx: _Context,
+    births: _Births,
+    hits: dict[int, tuple[str, str]],
+    loss_bad: bool | None,
+) -> ReplayResult | None:
+    if ctx.early:
+        return ctx.early[0].result
+    cands = list(births.candidates)
+    for i, (owner, pname) in hits.items():
+        c = cands[i]
+        c.result = replace(c.result, phase="param_grad", module=owner, tensor=f"param:{pname}")
+    if not cands:
+        return None
+    forward_harm = births.last_forward_bad if loss_bad is None else loss_bad
+    pool = [c for c in cands if c.backward != forward_harm] or cands
+    strong = [c for c in pool if not c.ninf_only]
+    return (strong or pool)[0].result
+
+
+def run_localized(
+    step_fn: Callable[[], object],
+    *,
+    model: nn.Module | None = None,
+    loss_of: Callable[[object], torch.Tensor | None] | None = None,
+) -> ReplayResult | None:
+    """One replay of ``step_fn`` with module context; the birth, or None.
+
+    ``loss_of`` maps what ``step_fn`` returned to its loss (to tell forward harm from
+    backward harm); without it, a returned scalar tensor is taken as the loss, and
+    otherwise the last forward op's output before the backward is.
+    """
+    ctx = _Context(model)
+    births = _Births(ctx)
+    handles, hits = _param_grad_hooks(model, births)
+    result: object = None
     # Anomaly mode records each node's forward traceback, so backward ops can name
     # the user line that created them; check_nan=False keeps it from raising.
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _context.replaying():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         try:
-            with torch.autograd.detect_anomaly(check_nan=False), mode:
-                step_fn()
+            with (
+                _eager(),
+                torch.autograd.detect_anomaly(check_nan=False),
+                _module_hooks(ctx),
+                births,
+            ):
+                result = step_fn()
         except Exception as exc:
-            if mode.found is None:
+            if not births.candidates and not ctx.early:
                 raise
             # A step that stops on a non-finite loss is expected here: what it found counts.
             warnings.warn(
-                f"replay: step_fn raised {type(exc).__name__}: {exc} after {mode.found.op} "
-                "produced the first non-finite value; returning that op",
+                f"replay: step_fn raised {type(exc).__name__}: {exc} after the first "
+                "non-finite value was produced; returning where it was born",
                 RuntimeWarning,
                 stacklevel=3,
             )
-    return mode.found
+        finally:
+            for h in handles:
+                h.remove()
+    loss = loss_of(result) if loss_of is not None else None
+    if loss is None and isinstance(result, torch.Tensor) and result.numel() == 1:
+        loss = result
+    loss_bad = None if loss is None else _severity(values_of(loss.detach())) > 0
+    return _choose(ctx, births, hits, loss_bad)
 
 
-def replay(step_fn: Callable[[], object], *, repeat: int = 1) -> ReplayResult | None:
-    """Run ``step_fn`` (forward and backward) under a dispatch mode; return the first op
-    that turned finite inputs into a non-finite output, or None.
+def replay(
+    step_fn: Callable[[], object], *, repeat: int = 1, model: nn.Module | None = None
+) -> ReplayResult | None:
+    """Run ``step_fn`` (forward and backward) under a dispatch mode; return where its
+    first harmful non-finite value was born (see the module's words), or None.
 
-    With ``repeat=2`` (or more) the step runs again and ``deterministic`` says whether
-    the same op at the same line was first every time. ``step_fn`` should only compute
-    (no optimizer step), since it runs ``repeat`` times. If ``step_fn`` raises after
-    the first non-finite op was found (a step that stops on a NaN loss), the op is
-    returned with a RuntimeWarning naming the exception; before that, it propagates.
+    ``model``: the module whose names and parameters to use (default: the first
+    module ``step_fn`` calls). A parameter that is already non-finite is reported as
+    phase "param" before anything runs. ``-inf`` masks are intended: a replay of a
+    clean step returns None whatever its masks hold. With ``repeat=2`` (or more) the
+    step runs again and ``deterministic`` says whether the same op at the same line
+    was found every time. ``step_fn`` should only compute (no optimizer step); if it
+    returns its loss, the loss tells forward harm from backward harm. A compiled
+    model runs eagerly here. A step that raises after the birth (a NaN-loss check)
+    returns the birth with a RuntimeWarning; before it, the exception propagates.
+    Replays never advance a :class:`Monitor`'s steps.
     """
     if not callable(step_fn):
         raise TypeError(f"replay needs a callable, got {type(step_fn).__name__}")
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat={repeat!r} must be a positive int")
-    results = [_run_once(step_fn) for _ in range(repeat)]
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"replay(model=...) needs an nn.Module, got {type(model).__name__}")
+    results = [run_localized(step_fn, model=model) for _ in range(repeat)]
     first = results[0]
     if repeat == 1:
         return first
@@ -224,7 +550,4 @@ def replay(step_fn: Callable[[], object], *, repeat: int = 1) -> ReplayResult | 
     same = len(found) == repeat and all(
         (r.op, r.source) == (found[0].op, found[0].source) for r in found
     )
-    base = first if first is not None else found[0]
-    return ReplayResult(
-        base.op, base.phase, base.kind, base.source, base.inputs, base.outputs, deterministic=same
-    )
+    return replace(first if first is not None else found[0], deterministic=same)

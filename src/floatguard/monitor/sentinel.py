@@ -160,7 +160,8 @@ class Sentinel:
         return self._stacked()
 
     def status_of(self, lo: list[float], hi: list[float]) -> list[str]:
-        """Per record "ok" / "nan" / "inf", from host copies of :meth:`packed`.
+        """Per record "ok" / "nan" / "inf" (+inf, maybe -inf too) / "ninf" (-inf only),
+        from host copies of :meth:`packed`.
 
         Proofs are evaluated on the host in order; kept tensors whose proofs do not
         settle are read (all of a round in one more transfer, only then) and their
@@ -177,7 +178,10 @@ class Sentinel:
     def _verdict(a: float, b: float) -> str:
         if a != a or b != b:
             return "nan"
-        return "inf" if a == -INF or b == INF else "ok"
+        if b == INF:
+            return "inf"
+        # -inf and no +inf: what masks and log-space padding hold (see localize)
+        return "ninf" if a == -INF else "ok"
 
     def _evaluate(
         self, lo: list[float], hi: list[float], settled: dict[int, tuple[float, float] | None]
@@ -296,7 +300,8 @@ class Sentinel:
         return bad
 
     def read(self) -> list[str]:
-        """Per record: ``"ok"``, ``"nan"`` or ``"inf"``. One device-to-host transfer
+        """Per record: ``"ok"``, ``"nan"``, ``"inf"`` or ``"ninf"`` (-inf only; see
+        :meth:`status_of`). One device-to-host transfer
         (two when a proof has to be settled by reading its tensor)."""
         st = self._stacked()
         if st is None:

@@ -144,6 +144,13 @@ class DynamicLossScaler:
         self._unscaled = False
         self._found_inf = None
 
+    def skip_step(self) -> None:
+        """Forget this step's unscale without changing the scale or counting a step: the
+        step was not taken for a reason other than overflow (a NaN batch, a spike), so
+        the scale neither backs off nor moves toward its next growth."""
+        self._unscaled = False
+        self._found_inf = None
+
     def _apply(self, found_inf: bool) -> None:
         before = self._scale
         if found_inf:

@@ -64,28 +64,40 @@ class SpikePolicy:
 
 @dataclass(frozen=True)
 class ResponsePolicy:
-    """The ladder, per bad step (non-finite or spike):
+    """What the guard does with a bad step, by cause.
 
-    1. clip (the clip policy, every step);
-    2. skip the step: no optimizer, scheduler or scaler growth, statistics untouched;
-    3. after ``lr_backoff_after`` consecutive bad steps: multiply the LR by
-       ``lr_backoff_factor``, then restore it linearly over ``lr_recovery_steps`` good steps;
-    4. after ``rollback_after`` consecutive bad steps: restore the last good snapshot
-       and skip the next ``skip_batches`` batches (the PaLM recipe);
-    5. after ``max_rollbacks`` rollbacks: raise :class:`GuardStopped` with a report.
+    - a non-finite input batch: skip it (LR and loss scale unchanged; not counted);
+    - an fp16 gradient overflow with a finite loss: back the loss scale off (not
+      counted);
+    - a non-finite parameter or optimizer state: roll back to the last snapshot on
+      that step (skipping cannot heal it);
+    - a transient fault (a replay of the step is clean): skip it and count it; after
+      ``transient_warn_after`` of them a ``warning`` event names the likely causes;
+    - a loss or gradient-norm spike, or another deterministic fault (or one that could
+      not be localized): the ladder. Skip; after ``lr_backoff_after`` consecutive
+      such steps multiply the LR by ``lr_backoff_factor`` (restored linearly over
+      ``lr_recovery_steps`` good steps); after ``rollback_after`` restore the last
+      snapshot and skip the next ``skip_batches`` batches (the PaLM recipe; 0 by
+      default: no good batch is thrown away unless you ask);
+    - the same deterministic fault again after a rollback, before the next snapshot:
+      stop (:class:`GuardStopped`) with the fault named; after ``max_rollbacks``
+      rollbacks: stop.
 
-    Snapshots are taken every ``snapshot_every`` good steps (in memory; also on disk
-    under ``snapshot_dir`` when set).
+    Snapshots are taken every ``snapshot_every`` good steps, of weights that have just
+    given a finite loss and gradients, in memory (copied into the same buffers each
+    time); also on disk under ``snapshot_dir`` when set. A rollback loses at most
+    ``snapshot_every`` steps.
     """
 
     lr_backoff_after: int = 2
     lr_backoff_factor: float = 0.5
     lr_recovery_steps: int = 50
     rollback_after: int = 5
-    skip_batches: int = 1
+    skip_batches: int = 0
     max_rollbacks: int = 3
-    snapshot_every: int = 20
+    snapshot_every: int = 5
     snapshot_dir: str | None = None
+    transient_warn_after: int = 3
 
     def __post_init__(self) -> None:
         ints = (
@@ -94,10 +106,11 @@ class ResponsePolicy:
             "rollback_after",
             "max_rollbacks",
             "snapshot_every",
+            "transient_warn_after",
         )
         for name in ints:
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ResponsePolicy.{name}={v!r} must be an int >= 1")
         if not isinstance(self.skip_batches, int) or self.skip_batches < 0:
             raise ValueError(

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["Snapshot", "Stateful", "load_snapshot"]
 
@@ -60,6 +61,40 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _copy_into(old: Any, new: Any) -> bool:
+    """Copy ``new``'s values into ``old``'s tensors if they have the same structure,
+    shapes and dtypes; True when done. Non-tensor leaves are replaced by copies."""
+    old_leaves, old_spec = tree_flatten(old)
+    new_leaves, new_spec = tree_flatten(new)
+    if old_spec != new_spec:
+        return False
+    for a, b in zip(old_leaves, new_leaves, strict=True):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return False
+        if isinstance(a, torch.Tensor) and (
+            a.shape != b.shape
+            or a.dtype != b.dtype
+            or a.device != b.device
+            or a.layout != torch.strided
+            or b.layout != torch.strided
+        ):
+            return False
+    tensors = [
+        (a, b) for a, b in zip(old_leaves, new_leaves, strict=True) if isinstance(a, torch.Tensor)
+    ]
+    with torch.no_grad():
+        if tensors:
+            torch._foreach_copy_([a for a, _ in tensors], [b.detach() for _, b in tensors])
+    leaves = [
+        a if isinstance(a, torch.Tensor) else copy.deepcopy(b)
+        for a, b in zip(old_leaves, new_leaves, strict=True)
+    ]
+    rebuilt = tree_unflatten(leaves, old_spec)
+    for k in list(old):
+        old[k] = rebuilt[k]
+    return True
+
+
 @dataclass
 class Snapshot:
     """Saved training state; ``capture`` to take one, ``restore`` to go back to it."""
@@ -77,10 +112,21 @@ class Snapshot:
         *,
         rng: bool = True,
         meta: dict[str, Any] | None = None,
+        reuse: Snapshot | None = None,
     ) -> Snapshot:
-        """Deep-copy every object's ``state_dict()`` (tensors cloned) and the RNG states."""
-        states = {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
-        return cls(step, states, _rng_state() if rng else None, dict(meta or {}))
+        """Deep-copy every object's ``state_dict()`` (tensors cloned) and the RNG states.
+
+        ``reuse``: an earlier snapshot of the same objects, whose tensors are
+        overwritten in place when the structure, shapes and dtypes still match (no
+        allocation: a snapshot every few steps costs one copy of the state); it is
+        returned updated. Otherwise a new snapshot is made.
+        """
+        states = {name: obj.state_dict() for name, obj in objects.items()}
+        meta_d = dict(meta or {})
+        if reuse is not None and _copy_into(reuse.states, states):
+            reuse.step, reuse.rng, reuse.meta = step, (_rng_state() if rng else None), meta_d
+            return reuse
+        return cls(step, copy.deepcopy(states), _rng_state() if rng else None, meta_d)
 
     def restore(self, objects: dict[str, Stateful]) -> None:
         """Load every saved state back (and the RNG states). Missing names raise KeyError."""
