@@ -462,7 +462,9 @@ class Guard:
     def _bad_parameter(self, step: int) -> Fault | None:
         """The first non-finite parameter or optimizer-state tensor (bad steps only)."""
         tensors: list[tuple[str, str, torch.Tensor]] = []  # (owner module, role, tensor)
-        for name, p in self.model.named_parameters():
+        # A compiled model (torch.compile's wrapper) is named by the module it wraps.
+        named = getattr(self.model, "_orig_mod", self.model)
+        for name, p in named.named_parameters():
             owner, _, pname = name.rpartition(".")
             tensors.append((owner, f"param:{pname}", p))
             for key, v in self.optimizer.state.get(p, {}).items():

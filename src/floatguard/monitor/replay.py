@@ -110,6 +110,9 @@ class _Candidate:
     backward: bool
     ninf_only: bool
     storages: tuple[int, ...] = ()
+    # The bad outputs themselves, held so that their memory is not reused while the
+    # replay runs (a later gradient at the same address would look like this one).
+    held: tuple[torch.Tensor, ...] = ()
 
 
 # ----------------------------------------------------------------- source lines
@@ -237,7 +240,7 @@ class _Context:
 
     def model_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """The model's own pre-hook (with kwargs): its inputs, on its first call."""
-        if not self.inputs_checked and len(self.stack) == 1:
+        if not self.inputs_checked and sum(n is not None for n in self.stack) == 1:
             self.inputs_checked = True
             if not self.early:
                 self._check_inputs(args, kwargs)
@@ -380,7 +383,9 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
             None, module, role, tuple(bad[0].shape),
         )  # fmt: skip
         self.candidates.append(
-            _Candidate(res, node is not None, ninf_only, tuple(_storage(t) for t in bad))
+            _Candidate(
+                res, node is not None, ninf_only, tuple(_storage(t) for t in bad), tuple(bad)
+            )
         )
         return out
 
@@ -489,6 +494,7 @@ def run_localized(
     # the user line that created them; check_nan=False keeps it from raising.
     with warnings.catch_warnings(), _context.replaying():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when")
         try:
             with (
                 _eager(),

@@ -4,13 +4,11 @@ The guard saves them before a step so that a bad step can be replayed exactly (t
 same dropout masks, the same BatchNorm statistics) and so that a step that is not
 applied leaves no trace (BatchNorm's running statistics do not learn the NaN batch).
 
-Buffers are copied into storage kept from one step to the next (no allocation after
-the first step). Only buffers that a step has changed are copied: the first save
-copies every buffer; later saves copy those whose version counter moved since they
-were last seen, a set that settles after one step (BatchNorm's running statistics
-and counters). A buffer that changes for the first time on a bad step cannot be
-restored to its value before that step (it was not copied): it is restored from
-its last copy, or left as it is when it never had one. No host-device sync.
+Every buffer is copied, with one ``torch._foreach_copy_`` into storage kept from one
+step to the next (no allocation after the first step). Version counters cannot tell
+which buffers a step changed: BatchNorm's kernel updates its running statistics
+without bumping them. The cost is one copy of the buffers per step (BatchNorm
+statistics, masks and rotary tables are small next to the step). No host sync.
 """
 
 from __future__ import annotations
@@ -20,64 +18,60 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StepState"]
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return int(t._version)
-    except RuntimeError:  # an inference tensor
-        return None
+__all__ = ["StepState", "rng_state", "set_rng_state"]
 
 
 class StepState:
-    """Saved RNG states and (changing) buffers of ``model``, for replay and undo."""
+    """Saved RNG states and buffers of ``model``, for replay and undo."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._copies: dict[str, torch.Tensor] = {}
-        self._versions: dict[str, int | None] = {}
-        self._changing: set[str] | None = None  # None: not saved yet, copy all
+        self._names: list[str] = []
+        self._copies: list[torch.Tensor] = []
         self.rng: dict[str, Any] = {}
 
     def save(self) -> None:
-        """Copy the RNG states and the buffers a step changes (device copies, no sync)."""
+        """Copy the RNG states and every buffer (device copies, no sync)."""
         self.rng = rng_state(self.model)
-        first = self._changing is None
-        changing: set[str] = set() if self._changing is None else self._changing
-        for name, buf in self.model.named_buffers():
-            v = _version(buf)
-            if not first and self._versions.get(name) == v and name not in changing:
-                continue
-            if not first:
-                changing.add(name)
-            copy = self._copies.get(name)
+        named = [(n, b) for n, b in self.model.named_buffers() if _copyable(b)]
+        names = [n for n, _ in named]
+        bufs = [b.detach() for _, b in named]
+        same = names == self._names and all(
+            c.shape == b.shape and c.dtype == b.dtype and c.device == b.device
+            for c, b in zip(self._copies, bufs, strict=True)
+        )
+        if not same:
+            self._names, self._copies = names, [b.clone() for b in bufs]
+        elif bufs:
             with torch.no_grad():
-                if copy is None or copy.shape != buf.shape or copy.dtype != buf.dtype:
-                    self._copies[name] = buf.detach().clone()
-                else:
-                    copy.copy_(buf)
-            self._versions[name] = v
-        self._changing = changing
+                torch._foreach_copy_(self._copies, bufs)
 
     def restore_buffers(self) -> None:
-        """Write the saved buffers back (those that changed since they were saved)."""
-        buffers = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, copy in self._copies.items():
-                buf = buffers.get(name)
-                if buf is None or _version(buf) == self._versions.get(name):
-                    continue
-                if buf.shape == copy.shape and buf.dtype == copy.dtype:
-                    buf.copy_(copy)
-                    self._versions[name] = _version(buf)
+        """Write the saved buffers back (a buffer replaced since is left alone)."""
+        current = dict(self.model.named_buffers())
+        pairs = [
+            (current[n], c)
+            for n, c in zip(self._names, self._copies, strict=True)
+            if n in current and current[n].shape == c.shape and current[n].dtype == c.dtype
+        ]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([b for b, _ in pairs], [c for _, c in pairs])
 
     def restore_rng(self) -> None:
         set_rng_state(self.rng)
 
 
+def _copyable(b: torch.Tensor) -> bool:
+    try:
+        b._version  # noqa: B018 (inference tensors have none and cannot be written)
+    except RuntimeError:
+        return False
+    return b.layout == torch.strided
+
+
 def rng_state(model: nn.Module) -> dict[str, Any]:
-    """The torch RNG states a step draws from: CPU, and the model's CUDA device."""
+    """The torch RNG states a step draws from: CPU, and the model's CUDA devices."""
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
     for d in devices:
