@@ -52,7 +52,7 @@ from floatguard.stability.clip import ZClip, clip_grad_value_, total_norm
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.snapshot import Snapshot
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
-from floatguard.stability.step_state import StepState, rng_state, set_rng_state
+from floatguard.stability.step_state import StepState, set_rng_state
 
 __all__ = ["Guard", "StepResult"]
 
@@ -97,14 +97,13 @@ class _Read:
     grad_norm: float
     loss: float
     clip_coef: float
+    zclip: tuple[float, bool] | None  # ZClip's (clip value, clipped), for its update
     monitor_fault: Fault | None
 
 
 @dataclass(frozen=True)
 class _Gathered:
     packed: torch.Tensor
-    norm: torch.Tensor
-    zclip: tuple[torch.Tensor, torch.Tensor] | None
     monitor_slots: int
 
 
@@ -222,7 +221,9 @@ class Guard:
         )
         if precision != "fp16":
             self.scaler.enabled = False
-        self.zclip = ZClip(self.clip.zclip) if self.clip.kind == "zclip" else None
+        # ZClip on the host: the norm is in the step's one read, so its statistics and
+        # coefficient cost no device op (the same float64 arithmetic as on device).
+        self.zclip = ZClip(self.clip.zclip, on_host=True) if self.clip.kind == "zclip" else None
         self.loss_detector = _Detector(self.spikes) if self.spikes.watch_loss else None
         self.norm_detector = _Detector(self.spikes) if self.spikes.watch_grad_norm else None
         # The guard starts the monitor's steps itself, so records of every micro-batch
@@ -312,16 +313,15 @@ class Guard:
         """
         closures = self._closures(closure)
         if closures:
-            self._state.rng = rng_state(self.model)  # the draws this step's forward makes
+            self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             self._forward_backward(closures)
         elif not self._losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
         step = self.step_count
         self.step_count += 1
-        gathered = self._gather()
-        read = self._read(gathered)
+        read = self._read(self._gather())
         response, reason, fault = self._decide(step, read, closures)
-        return self._act(step, gathered, read, response, reason, fault)
+        return self._act(step, read, response, reason, fault)
 
     # ------------------------------------------------------------------ run
     @staticmethod
@@ -356,8 +356,8 @@ class Guard:
         return params, [p.grad for p in params if p.grad is not None], dev
 
     def _gather(self) -> _Gathered:
-        """Unscale, norm and clip on device; pack what the read needs. No sync."""
-        params, _, dev = self._grads()
+        """Unscale and take the norm on device; pack what the read needs. No sync."""
+        _, _, dev = self._grads()
         found = (
             self.scaler.unscale_(self.optimizer).to(dev)
             if self.scaler.enabled
@@ -365,9 +365,8 @@ class Guard:
         )
         _, grads, _ = self._grads()  # after unscale_ (a sparse gradient is coalesced)
         norm = total_norm(grads).to(dev).float() if grads else torch.zeros((), device=dev)
-        coef, zstate = self._clip(params, grads, norm, dev)
         loss = torch.stack(self._losses).mean().to(dev)
-        small = torch.stack([found.float(), norm, loss, coef])
+        small = torch.stack([found.float(), norm, loss])
         if self.distributed:
             small = self._all_reduce_mean(small)
         packed_mon = self.monitor.packed_records() if self.monitor is not None else None
@@ -376,28 +375,24 @@ class Guard:
             lo, hi = packed_mon
             n = len(lo)
             small = torch.cat([small, lo.to(dev).to(small.dtype), hi.to(dev).to(small.dtype)])
-        return _Gathered(small, norm, zstate, n)
+        return _Gathered(small, n)
 
-    def _clip(
-        self,
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        norm: torch.Tensor,
-        dev: torch.device,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        coef = torch.ones((), device=dev)
-        zstate = None
-        if grads and self.zclip is not None:
-            clip_value, clipped, coef64 = self.zclip.compute(norm)
-            coef, zstate = coef64.float(), (clip_value, clipped)
-        elif grads and self.clip.kind == "norm":
-            coef = torch.clamp(self.clip.max_norm / (norm + 1e-6), max=1.0)
-            coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-        if grads and self.clip.kind == "value":
+    def _clip_coef(self, grad_norm: float) -> tuple[float, tuple[float, bool] | None]:
+        """The clip coefficient for this norm, on the host (the norm was just read):
+        ZClip's or clip_grad_norm_'s formula (1 for a non-finite norm)."""
+        if self.zclip is not None:
+            clip_value, clipped, coef = self.zclip.compute(grad_norm)
+            return float(coef), (clip_value, clipped)
+        if self.clip.kind == "norm" and math.isfinite(grad_norm):
+            return min(1.0, self.clip.max_norm / (grad_norm + 1e-6)), None
+        return 1.0, None
+
+    def _clip(self, coef: float) -> None:
+        params, grads, _ = self._grads()
+        if self.clip.kind == "value":
             clip_grad_value_(params, self.clip.max_value)
-        elif grads and self.clip.kind != "none":
+        elif grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
-        return coef, zstate
 
     def _all_reduce_mean(self, small: torch.Tensor) -> torch.Tensor:
         # Flags > 0 on any rank stay > 0; NaN on any rank stays NaN; loss and norm
@@ -414,9 +409,10 @@ class Guard:
         fault = None
         if self.monitor is not None and g.monitor_slots:
             n = g.monitor_slots
-            faults = self.monitor.faults_from(values[4 : 4 + n], values[4 + n :])
+            faults = self.monitor.faults_from(values[3 : 3 + n], values[3 + n :])
             fault = faults[0] if faults else None
-        return _Read(values[0] > 0, values[1], values[2], values[3], fault)
+        coef, zstate = self._clip_coef(values[1])
+        return _Read(values[0] > 0, values[1], values[2], coef, zstate, fault)
 
     # --------------------------------------------------------------- decide
     def _decide(
@@ -481,7 +477,7 @@ class Guard:
 
     def _replay(self, step: int, closures: Sequence[Closure], loss_was_finite: bool) -> Fault:
         """Re-run the step from its starting state under the op-level replay."""
-        after = rng_state(self.model)
+        after = self._state.rng_now()
         self.optimizer.zero_grad(set_to_none=True)
         self._state.restore_buffers()
         self._state.restore_rng()
@@ -534,7 +530,6 @@ class Guard:
     def _act(
         self,
         step: int,
-        g: _Gathered,
         read: _Read,
         response: _Response,
         reason: str | None,
@@ -545,7 +540,7 @@ class Guard:
             self._emit_fault(step, fault)
         action: Action = "skipped"
         if response == "apply":
-            self._apply(step, g, read)
+            self._apply(step, read)
             action = "applied"
         else:
             self._undo()
@@ -577,13 +572,14 @@ class Guard:
         )  # fmt: skip
         return result
 
-    def _apply(self, step: int, g: _Gathered, read: _Read) -> None:
+    def _apply(self, step: int, read: _Read) -> None:
         # The weights just gave a finite loss and gradients: a snapshot of them is good.
         if self.good_steps % self.response.snapshot_every == 0 and self.good_steps:
             self._take_snapshot(step)
+        self._clip(read.clip_coef)
         self._optimizer_step()
-        if self.zclip is not None and g.zclip is not None:
-            self.zclip.update(g.norm, *g.zclip)
+        if self.zclip is not None and read.zclip is not None:
+            self.zclip.update(read.grad_norm, *read.zclip)
         self.scaler.update(found_inf=False)
         for det, v in ((self.loss_detector, read.loss), (self.norm_detector, read.grad_norm)):
             if det is not None:

@@ -82,9 +82,10 @@ def _norm_series(n: int) -> list[float]:
         {"skip_update_on_spike": True, "max_grad_norm": None, "warmup_steps": 10},
     ],
 )
-def test_zclip_matches_the_published_package(kw: dict[str, object]) -> None:
+@pytest.mark.parametrize("on_host", [False, True], ids=["device", "host"])
+def test_zclip_matches_the_published_package(kw: dict[str, object], on_host: bool) -> None:
     """Decisions and EMA equal zclip's (1.0.0, the only release; pinned in constraints.txt)."""
-    ours = ZClip(ZClipConfig(**kw))  # type: ignore[arg-type]
+    ours = ZClip(ZClipConfig(**kw), on_host=on_host)  # type: ignore[arg-type]
     ref = zclip_pkg.ZClip(**kw)
     w_ours, w_ref = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
     for norm in _norm_series(100):
@@ -137,3 +138,31 @@ def test_windowed_zclip_clips_to_threshold_not_mean() -> None:
     assert float(w.weight.grad) == pytest.approx(
         thr, rel=1e-6
     )  # the lesson would give the mean, 1.0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"clip_option": "mean", "max_grad_norm": None}, {"mode": "percentile"},
+     {"skip_update_on_spike": True, "warmup_steps": 5}],
+)  # fmt: skip
+def test_zclip_on_host_is_bit_identical_to_zclip_on_device(kw: dict[str, object]) -> None:
+    """The guard runs ZClip on host floats after its one read: the same float64
+    arithmetic, so the same decisions, coefficients and state to the last bit,
+    non-finite norms included."""
+    series = _norm_series(100)
+    for i in (3, 40, 41, 77):
+        series[i] = [math.nan, math.inf, 0.0, 1e300][(i // 3) % 4]
+    dev, host = ZClip(ZClipConfig(**kw)), ZClip(ZClipConfig(**kw), on_host=True)  # type: ignore[arg-type]
+    for v in series:
+        d = dev.compute(torch.tensor(v, dtype=torch.float64))
+        h = host.compute(v)
+        for a, b in zip(d, h, strict=True):
+            assert float(a) == b or (math.isnan(float(a)) and math.isnan(float(b))), (v, d, h)
+        dev.update(torch.tensor(v, dtype=torch.float64), d[0], d[1])
+        host.update(v, h[0], h[1])
+    for k, v in dev.state_dict()["state"].items():
+        assert float(v) == float(host.state_dict()["state"][k]), k
+    # a state saved on one kind loads into the other
+    back = ZClip(on_host=False)
+    back.load_state_dict(host.state_dict())
+    assert float(back.mean) == host.mean  # type: ignore[arg-type]

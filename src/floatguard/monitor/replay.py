@@ -199,23 +199,45 @@ def _storage(t: torch.Tensor) -> int:
 
 # ----------------------------------------------------------------- module context
 class _Context:
-    """The module running now (global module hooks), whether the model has run, and
-    the parameters of the model (checked once, before it first runs)."""
+    """The module running now, whether the model has run, and the model's parameters
+    and inputs (checked once, before it first runs).
+
+    The model's modules get hooks of their own for the replay, a pre-hook before any
+    of the user's and a forward hook after them, so what a user's hook computes
+    counts as the module's; modules outside the model are seen by global hooks. With
+    no model given, the first module called is the model.
+    """
 
     def __init__(self, model: nn.Module | None) -> None:
         # A compiled model (torch.compile's wrapper) is named by the module it wraps.
         model = getattr(model, "_orig_mod", model)
         self.model = model
-        self.names: dict[int, str] = (
-            {id(m): n for n, m in model.named_modules()} if model is not None else {}
-        )
+        self.names: dict[int, str] = {}
+        self.own: set[int] = set()  # modules with hooks of their own
+        self.handles: list[Any] = []
         self.stack: list[str | None] = []
         self.started = False
         self.done = False
         self.early: list[_Candidate] = []  # parameter and input births, found in pre-hooks
         self.notes: list[str] = []
-        self.given = model is not None  # then the model's own hook reads its kwargs too
-        self.inputs_checked = False
+        if model is not None:
+            self._adopt(model, with_root=True)
+
+    def _adopt(self, model: nn.Module, *, with_root: bool) -> None:
+        self.names = {id(m): n for n, m in model.named_modules()}
+        for m in model.modules():
+            if m is model and not with_root:
+                continue
+            self.own.add(id(m))
+            self.handles.append(
+                m.register_forward_pre_hook(self.pre, with_kwargs=True, prepend=True)
+            )
+            self.handles.append(m.register_forward_hook(self.post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     def current(self) -> str | None:
         for name in reversed(self.stack):
@@ -223,29 +245,29 @@ class _Context:
                 return name
         return None
 
-    def _root(self, module: nn.Module) -> bool:
-        if self.model is None and not self.names:
+    def global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if id(module) in self.own:
+            return
+        if self.model is None:
             self.model = module  # the first module called is the model
-            self.names = {id(m): n for n, m in module.named_modules()}
-        return module is self.model
+            self._adopt(module, with_root=False)
+        self.pre(module, args, {})
+
+    def global_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) not in self.own:
+            self.post(module, args, output)
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        is_root = self._root(module) and not any(n is not None for n in self.stack)
+        is_root = module is self.model and not any(n is not None for n in self.stack)
         if is_root and not self.started:
             self.started = True
             self._check_params(module)
-            if not self.given:
+            if not self.early:
                 self._check_inputs(args, kwargs)
         self.stack.append(self.names.get(id(module)))
 
-    def model_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """The model's own pre-hook (with kwargs): its inputs, on its first call."""
-        if not self.inputs_checked and sum(n is not None for n in self.stack) == 1:
-            self.inputs_checked = True
-            if not self.early:
-                self._check_inputs(args, kwargs)
-
-    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def post(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        output = rest[-1]  # (output) from global hooks, (kwargs, output) would not occur
         name = self.stack.pop() if self.stack else None
         if name is not None and torch.is_grad_enabled():
             _tag(output, args, name)
@@ -421,23 +443,17 @@ def _param_grad_hooks(
 def _module_hooks(ctx: _Context) -> Iterator[None]:
     from torch.nn.modules import module as mod
 
-    pre = mod.register_module_forward_pre_hook(lambda m, a: ctx.pre(m, a, {}))
+    pre = mod.register_module_forward_pre_hook(ctx.global_pre)
     try:
-        post = mod.register_module_forward_hook(ctx.post, always_call=True)
+        post = mod.register_module_forward_hook(ctx.global_post, always_call=True)
     except TypeError:  # torch without always_call for global hooks
-        post = mod.register_module_forward_hook(ctx.post)
-    own = (
-        ctx.model.register_forward_pre_hook(ctx.model_pre, with_kwargs=True)
-        if ctx.given and ctx.model is not None
-        else None
-    )
+        post = mod.register_module_forward_hook(ctx.global_post)
     try:
         yield
     finally:
         pre.remove()
         post.remove()
-        if own is not None:
-            own.remove()
+        ctx.remove()
 
 
 @contextlib.contextmanager
@@ -516,6 +532,7 @@ def run_localized(
         finally:
             for h in handles:
                 h.remove()
+            ctx.remove()
     loss = loss_of(result) if loss_of is not None else None
     if loss is None and isinstance(result, torch.Tensor) and result.numel() == 1:
         loss = result

@@ -131,6 +131,94 @@ class ZClipConfig:
             raise ValueError("ZClipConfig.clip_factor and eps must be > 0")
 
 
+class _DeviceOps:
+    """ZClip's arithmetic on float64 device tensors (no sync)."""
+
+    @staticmethod
+    def where(c: Any, a: Any, b: Any) -> Any:
+        return torch.where(c, a, b)
+
+    @staticmethod
+    def sqrt(x: Any) -> Any:
+        return torch.sqrt(x)
+
+    @staticmethod
+    def isfinite(x: Any) -> Any:
+        return torch.isfinite(x)
+
+    @staticmethod
+    def clamp_max(x: Any, m: float) -> Any:
+        return torch.clamp(x, max=m)
+
+    @staticmethod
+    def clamp_min(x: Any, m: float) -> Any:
+        return torch.clamp(x, min=m)
+
+    @staticmethod
+    def div(a: Any, b: Any) -> Any:
+        return a / b
+
+    @staticmethod
+    def not_(x: Any) -> Any:
+        return ~x
+
+    @staticmethod
+    def num(x: Any) -> Any:
+        return x.to(torch.float64)
+
+    @staticmethod
+    def one(like: Any) -> Any:
+        return torch.ones_like(like)
+
+
+class _HostOps:
+    """The same arithmetic on Python floats (IEEE float64, as on device): for a caller
+    that already holds the norm on the host (the guard, after its one read)."""
+
+    @staticmethod
+    def where(c: Any, a: Any, b: Any) -> Any:
+        return a if c else b
+
+    @staticmethod
+    def sqrt(x: Any) -> Any:
+        return math.sqrt(x)
+
+    @staticmethod
+    def isfinite(x: Any) -> Any:
+        return math.isfinite(x)
+
+    @staticmethod
+    def clamp_max(x: Any, m: float) -> Any:
+        return x if x <= m or x != x else m
+
+    @staticmethod
+    def clamp_min(x: Any, m: float) -> Any:
+        return x if x >= m or x != x else m
+
+    @staticmethod
+    def div(a: Any, b: Any) -> Any:
+        # IEEE division, as torch does it (Python raises on a zero divisor)
+        if b == 0:
+            return (
+                math.nan
+                if a == 0 or a != a
+                else math.copysign(math.inf, a) * (math.copysign(1.0, b))
+            )
+        return a / b
+
+    @staticmethod
+    def not_(x: Any) -> Any:
+        return not x
+
+    @staticmethod
+    def num(x: Any) -> Any:
+        return float(x)
+
+    @staticmethod
+    def one(like: Any) -> Any:
+        return 1.0
+
+
 class ZClip:
     """Adaptive gradient clipping on the EMA z-score of the gradient norm, on device.
 
@@ -145,15 +233,29 @@ class ZClip:
 
     ``compute`` (no state change) and ``update`` (fold the step into the EMA) are
     separate so a guard can decide to skip a step without polluting the statistics.
+    With ``on_host=True`` the state is Python floats and ``compute`` / ``update``
+    take the norm as a float: the same float64 arithmetic, written once, for a caller
+    that has read the norm already (the guard reads it in its one read per step), at
+    no device cost.
     """
 
-    def __init__(self, config: ZClipConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, config: ZClipConfig | None = None, *, on_host: bool = False, **kwargs: Any
+    ) -> None:
         if config is not None and kwargs:
             raise TypeError("pass either a ZClipConfig or keyword arguments, not both")
         self.config = config or ZClipConfig(**kwargs)
-        self._state: dict[str, torch.Tensor] | None = None
+        self.on_host = bool(on_host)
+        self._ops: Any = _HostOps if on_host else _DeviceOps
+        self._state: dict[str, Any] | None = None
 
-    def _init_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _init_state(self, norm: Any) -> dict[str, Any]:
+        if self.on_host:
+            if self._state is None:
+                self._state = dict.fromkeys(("mean", "var", "count", "w_mean", "w_m2"), 0.0)
+                self._state["initialized"] = False
+            return self._state
+        device = norm.device
         if self._state is None or self._state["mean"].device != device:
             z = torch.zeros((), dtype=torch.float64, device=device)
             self._state = {
@@ -166,15 +268,16 @@ class ZClip:
             }
         return self._state
 
-    def compute(self, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compute(self, norm: Any) -> tuple[Any, Any, Any]:
         """``(clip_value, clipped, coef)`` for this norm: the adaptive threshold (or the norm
         itself when not clipping), whether the z-test fired, and the factor to multiply the
-        gradients by (max_grad_norm included; 1 for a non-finite norm)."""
-        c = self.config
-        st = self._init_state(norm.device)
-        n = norm.to(torch.float64)
-        finite = torch.isfinite(n)
-        std = torch.sqrt(st["var"])
+        gradients by (max_grad_norm included; 1 for a non-finite norm). Tensors, or
+        floats with ``on_host``."""
+        c, o = self.config, self._ops
+        st = self._init_state(norm)
+        n = o.num(norm)
+        finite = o.isfinite(n)
+        std = o.sqrt(st["var"])
         if c.mode == "percentile":
             thr = st["mean"] + c.z_thresh * std
             fire = n > thr
@@ -183,54 +286,55 @@ class ZClip:
             fire = z > c.z_thresh
             if c.clip_option == "adaptive_scaling":
                 eta = z / c.z_thresh  # larger outliers are pulled further down
-                thr = (st["mean"] + (c.z_thresh * std) / eta) * c.clip_factor
+                thr = (st["mean"] + o.div(c.z_thresh * std, eta)) * c.clip_factor
             else:
                 thr = st["mean"]
         clipped = st["initialized"] & finite & fire
-        clip_value = torch.where(clipped, thr, n)
+        clip_value = o.where(clipped, thr, n)
         if c.max_grad_norm is not None:
-            effective = torch.clamp(clip_value, max=c.max_grad_norm)
+            effective = o.clamp_max(clip_value, c.max_grad_norm)
         else:
             effective = clip_value
         warm = st["initialized"]
         # After warmup zclip scales only when the norm exceeds the threshold; during
         # warmup it calls torch's clip_grad_norm_ (coefficient clamped to 1).
-        coef_after = torch.where(n > effective, effective / (n + 1e-6), torch.ones_like(n))
+        coef_after = o.where(n > effective, effective / (n + 1e-6), o.one(n))
         if c.max_grad_norm is not None:
-            coef_warm = torch.clamp(c.max_grad_norm / (n + 1e-6), max=1.0)
+            coef_warm = o.clamp_max(c.max_grad_norm / (n + 1e-6), 1.0)
         else:
-            coef_warm = torch.ones_like(n)
-        coef = torch.where(warm, coef_after, coef_warm)
-        coef = torch.where(finite, coef, torch.ones_like(coef))
+            coef_warm = o.one(n)
+        coef = o.where(warm, coef_after, coef_warm)
+        coef = o.where(finite, coef, o.one(coef))
         return clip_value, clipped, coef
 
-    def update(self, norm: torch.Tensor, clip_value: torch.Tensor, clipped: torch.Tensor) -> None:
+    def update(self, norm: Any, clip_value: Any, clipped: Any) -> None:
         """Fold this step into the statistics (warmup buffer, then EMA). Non-finite: no-op."""
-        c = self.config
-        st = self._init_state(norm.device)
-        n = norm.to(torch.float64)
-        finite = torch.isfinite(n)
+        c, o = self.config, self._ops
+        st = self._init_state(norm)
+        n = o.num(norm)
+        finite = o.isfinite(n)
         warm = st["initialized"]
         # Warmup: Welford over the finite norms; initialise at warmup_steps of them.
-        take = finite & ~warm
-        count = st["count"] + take.to(torch.float64)
-        safe_n = torch.where(take, n, st["w_mean"])
+        take = finite & o.not_(warm)
+        count = st["count"] + o.num(take)
+        safe_n = o.where(take, n, st["w_mean"])
         delta = safe_n - st["w_mean"]
-        w_mean = torch.where(take, st["w_mean"] + delta / torch.clamp(count, min=1.0), st["w_mean"])
-        w_m2 = torch.where(take, st["w_m2"] + delta * (safe_n - w_mean), st["w_m2"])
+        w_mean = o.where(take, st["w_mean"] + delta / o.clamp_min(count, 1.0), st["w_mean"])
+        w_m2 = o.where(take, st["w_m2"] + delta * (safe_n - w_mean), st["w_m2"])
         now_init = take & (count >= c.warmup_steps)
         # After warmup: EMA of the clip value (or the norm when not clipped).
-        value = torch.where(clipped, clip_value.to(torch.float64), n)
+        value = o.where(clipped, o.num(clip_value), n)
         ema_ok = warm & finite
         if c.skip_update_on_spike:
-            ema_ok = ema_ok & ~clipped
-        value = torch.where(ema_ok, value, st["mean"])
+            ema_ok = ema_ok & o.not_(clipped)
+        value = o.where(ema_ok, value, st["mean"])
         new_mean = c.alpha * st["mean"] + (1 - c.alpha) * value
-        new_var = c.alpha * st["var"] + (1 - c.alpha) * (value - new_mean) ** 2
-        mean = torch.where(ema_ok, new_mean, st["mean"])
-        var = torch.where(ema_ok, new_var, st["var"])
-        mean = torch.where(now_init, w_mean, mean)
-        var = torch.where(now_init, w_m2 / torch.clamp(count, min=1.0), var)
+        dev = value - new_mean
+        new_var = c.alpha * st["var"] + (1 - c.alpha) * (dev * dev)
+        mean = o.where(ema_ok, new_mean, st["mean"])
+        var = o.where(ema_ok, new_var, st["var"])
+        mean = o.where(now_init, w_mean, mean)
+        var = o.where(now_init, w_m2 / o.clamp_min(count, 1.0), var)
         st.update(
             mean=mean, var=var, count=count, w_mean=w_mean, w_m2=w_m2,
             initialized=warm | now_init,
@@ -238,31 +342,51 @@ class ZClip:
 
     def step(self, parameters: Iterable[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Clip ``parameters``' gradients in place and update; returns the pre-clip norm.
-        No host sync."""
+        No host sync (with ``on_host``, one read of the norm)."""
         grads = _grads(parameters)
         if not grads:
             return torch.zeros(())
         norm = total_norm(grads)
-        clip_value, clipped, coef = self.compute(norm)
-        torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=torch.float32))
-        self.update(norm, clip_value, clipped)
+        arg: Any = float(norm) if self.on_host else norm
+        clip_value, clipped, coef = self.compute(arg)
+        if self.on_host:
+            torch._foreach_mul_(grads, float(coef))
+        else:
+            torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=torch.float32))
+        self.update(arg, clip_value, clipped)
         return norm
 
     @property
-    def mean(self) -> torch.Tensor | None:
+    def mean(self) -> Any:
         return None if self._state is None else self._state["mean"]
 
     @property
-    def var(self) -> torch.Tensor | None:
+    def var(self) -> Any:
         return None if self._state is None else self._state["var"]
 
     def state_dict(self) -> dict[str, Any]:
-        state = {} if self._state is None else {k: v.clone() for k, v in self._state.items()}
+        state = {} if self._state is None else {k: _clone(v) for k, v in self._state.items()}
         return {"config": self.config.__dict__.copy(), "state": state}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a state saved on device or on host, into this clipper's kind."""
         self.config = ZClipConfig(**sd["config"])
-        self._state = {k: v.clone() for k, v in sd["state"].items()} if sd["state"] else None
+        if not sd["state"]:
+            self._state = None
+        elif self.on_host:
+            self._state = {
+                k: bool(v) if k == "initialized" else float(v) for k, v in sd["state"].items()
+            }
+        else:
+            self._state = {
+                k: v.clone() if isinstance(v, torch.Tensor) else
+                torch.tensor(v, dtype=torch.bool if k == "initialized" else torch.float64)
+                for k, v in sd["state"].items()
+            }  # fmt: skip
+
+
+def _clone(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v
 
 
 class WindowedZClip:

@@ -61,38 +61,64 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _copy_into(old: Any, new: Any) -> bool:
-    """Copy ``new``'s values into ``old``'s tensors if they have the same structure,
-    shapes and dtypes; True when done. Non-tensor leaves are replaced by copies."""
-    old_leaves, old_spec = tree_flatten(old)
-    new_leaves, new_spec = tree_flatten(new)
-    if old_spec != new_spec:
+def _copy_into(old: dict[str, Any], new: dict[str, Any], plain: set[str]) -> bool:
+    """Copy each object's new state into the old state's tensors when the structure,
+    shapes and dtypes match; True when done for every object. The states named in
+    ``plain`` held no tensor (scalers, detectors): they are replaced by copies."""
+    if old.keys() != new.keys():
         return False
-    for a, b in zip(old_leaves, new_leaves, strict=True):
-        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            return False
-        if isinstance(a, torch.Tensor) and (
-            a.shape != b.shape
-            or a.dtype != b.dtype
-            or a.device != b.device
-            or a.layout != torch.strided
-            or b.layout != torch.strided
-        ):
-            return False
-    tensors = [
-        (a, b) for a, b in zip(old_leaves, new_leaves, strict=True) if isinstance(a, torch.Tensor)
-    ]
+    for name in plain & new.keys():
+        old[name] = copy.deepcopy(new[name])
+    new = {k: v for k, v in new.items() if k not in plain}
+    plans: list[tuple[str, Any]] = []
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for name, state in new.items():
+        flat = _flat_tensors(state)
+        if flat is not None:  # a model's state_dict: names to tensors
+            before = old[name]
+            if not isinstance(before, dict) or before.keys() != flat.keys():
+                return False
+            pairs = [(before[k], v) for k, v in flat.items()]
+            plans.append((name, None))
+        else:
+            old_leaves, old_spec = tree_flatten(old[name])
+            new_leaves, new_spec = tree_flatten(state)
+            if old_spec != new_spec:
+                return False
+            pairs = [
+                (a, b) for a, b in zip(old_leaves, new_leaves, strict=True)
+                if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
+            ]  # fmt: skip
+            leaves = [
+                a if isinstance(a, torch.Tensor) else copy.deepcopy(b)
+                for a, b in zip(old_leaves, new_leaves, strict=True)
+            ]
+            plans.append((name, (leaves, old_spec)))
+        for a, b in pairs:
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                return False
+            if (
+                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                or a.layout != torch.strided or b.layout != torch.strided
+            ):  # fmt: skip
+                return False
+            dst.append(a)
+            src.append(b.detach())
     with torch.no_grad():
-        if tensors:
-            torch._foreach_copy_([a for a, _ in tensors], [b.detach() for _, b in tensors])
-    leaves = [
-        a if isinstance(a, torch.Tensor) else copy.deepcopy(b)
-        for a, b in zip(old_leaves, new_leaves, strict=True)
-    ]
-    rebuilt = tree_unflatten(leaves, old_spec)
-    for k in list(old):
-        old[k] = rebuilt[k]
+        if dst:
+            torch._foreach_copy_(dst, src)
+    for name, plan in plans:
+        if plan is not None:
+            old[name] = tree_unflatten(*plan)
     return True
+
+
+def _flat_tensors(state: Any) -> dict[str, torch.Tensor] | None:
+    """``state`` when it maps names to tensors only (a module's state_dict), else None."""
+    if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
+        return state
+    return None
 
 
 @dataclass
@@ -103,6 +129,8 @@ class Snapshot:
     states: dict[str, Any]
     rng: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # names of states that held no tensor when captured (copied whole when reused)
+    plain: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @classmethod
     def capture(
@@ -123,10 +151,18 @@ class Snapshot:
         """
         states = {name: obj.state_dict() for name, obj in objects.items()}
         meta_d = dict(meta or {})
-        if reuse is not None and _copy_into(reuse.states, states):
+        if reuse is not None and _copy_into(reuse.states, states, reuse.plain):
             reuse.step, reuse.rng, reuse.meta = step, (_rng_state() if rng else None), meta_d
             return reuse
-        return cls(step, copy.deepcopy(states), _rng_state() if rng else None, meta_d)
+        # States that hold nothing but small Python values (a scaler's, a detector's) are
+        # copied whole when reused; an optimizer's is not plain even before its first
+        # step (its moments come then).
+        plain = {
+            n for n, (obj, st) in ((n, (objects[n], states[n])) for n in states)
+            if not isinstance(obj, (torch.optim.Optimizer, torch.nn.Module))
+            and not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(st)[0])
+        }  # fmt: skip
+        return cls(step, copy.deepcopy(states), _rng_state() if rng else None, meta_d, plain)
 
     def restore(self, objects: dict[str, Stateful]) -> None:
         """Load every saved state back (and the RNG states). Missing names raise KeyError."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StepState", "rng_state", "set_rng_state"]
+__all__ = ["StepState", "cuda_devices", "rng_state", "set_rng_state"]
 
 
 class StepState:
@@ -29,11 +29,25 @@ class StepState:
         self._names: list[str] = []
         self._copies: list[torch.Tensor] = []
         self.rng: dict[str, Any] = {}
+        self._devices = cuda_devices(model)
+        # Where the buffers live: (module, attribute), found once; read anew each save
+        # (a module may replace a buffer tensor). Looked up again on every restore.
+        self._where = self._locate()
+
+    def _locate(self) -> list[tuple[str, nn.Module, str]]:
+        return [
+            (f"{mname}.{bname}" if mname else bname, m, bname)
+            for mname, m in self.model.named_modules()
+            for bname, _ in m.named_buffers(recurse=False)
+        ]
+
+    def rng_now(self) -> dict[str, Any]:
+        return rng_state(self._devices)
 
     def save(self) -> None:
         """Copy the RNG states and every buffer (device copies, no sync)."""
-        self.rng = rng_state(self.model)
-        named = [(n, b) for n, b in self.model.named_buffers() if _copyable(b)]
+        self.rng = rng_state(self._devices)
+        named = [(n, b) for n, m, a in self._where if _copyable(b := getattr(m, a))]
         names = [n for n, _ in named]
         bufs = [b.detach() for _, b in named]
         same = names == self._names and all(
@@ -48,7 +62,8 @@ class StepState:
 
     def restore_buffers(self) -> None:
         """Write the saved buffers back (a buffer replaced since is left alone)."""
-        current = dict(self.model.named_buffers())
+        self._where = self._locate()
+        current = {n: getattr(m, a) for n, m, a in self._where}
         pairs = [
             (current[n], c)
             for n, c in zip(self._names, self._copies, strict=True)
@@ -70,10 +85,13 @@ def _copyable(b: torch.Tensor) -> bool:
     return b.layout == torch.strided
 
 
-def rng_state(model: nn.Module) -> dict[str, Any]:
-    """The torch RNG states a step draws from: CPU, and the model's CUDA devices."""
+def cuda_devices(model: nn.Module) -> list[torch.device]:
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+
+
+def rng_state(devices: list[torch.device]) -> dict[str, Any]:
+    """The torch RNG states a step draws from: CPU, and the given CUDA devices."""
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
     for d in devices:
         state[str(d)] = torch.cuda.get_rng_state(d)
     return state
