@@ -61,56 +61,65 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _copy_into(old: dict[str, Any], new: dict[str, Any], plain: set[str]) -> bool:
+def _copy_into(
+    old: dict[str, Any], new: dict[str, Any], plain: set[str], flat: dict[str, Any]
+) -> bool:
     """Copy each object's new state into the old state's tensors when the structure,
     shapes and dtypes match; True when done for every object. The states named in
-    ``plain`` held no tensor (scalers, detectors): they are replaced by copies."""
+    ``plain`` held no tensor (scalers, detectors): they are replaced by copies.
+    ``flat`` caches the old nested states' (leaves, spec), kept up to date here."""
     if old.keys() != new.keys():
         return False
-    for name in plain & new.keys():
-        old[name] = copy.deepcopy(new[name])
-    new = {k: v for k, v in new.items() if k not in plain}
-    plans: list[tuple[str, Any]] = []
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
+    rebuilt: dict[str, Any] = {}
     for name, state in new.items():
-        flat = _flat_tensors(state)
-        if flat is not None:  # a model's state_dict: names to tensors
+        if name in plain:
+            rebuilt[name] = copy.deepcopy(state)
+            continue
+        names_to_tensors = _flat_tensors(state)
+        if names_to_tensors is not None:  # a model's state_dict
             before = old[name]
-            if not isinstance(before, dict) or before.keys() != flat.keys():
+            if not isinstance(before, dict) or before.keys() != state.keys():
                 return False
-            pairs = [(before[k], v) for k, v in flat.items()]
-            plans.append((name, None))
+            pairs = [(before[k], v) for k, v in state.items()]
         else:
-            old_leaves, old_spec = tree_flatten(old[name])
+            if name not in flat:
+                flat[name] = tree_flatten(old[name])
+            old_leaves, old_spec = flat[name]
             new_leaves, new_spec = tree_flatten(state)
             if old_spec != new_spec:
                 return False
-            pairs = [
-                (a, b) for a, b in zip(old_leaves, new_leaves, strict=True)
-                if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
-            ]  # fmt: skip
-            leaves = [
-                a if isinstance(a, torch.Tensor) else copy.deepcopy(b)
-                for a, b in zip(old_leaves, new_leaves, strict=True)
-            ]
-            plans.append((name, (leaves, old_spec)))
+            pairs = []
+            others_same = True
+            for a, b in zip(old_leaves, new_leaves, strict=True):
+                if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                    pairs.append((a, b))
+                elif others_same and a != b:
+                    others_same = False
+            if not others_same:  # a learning rate changed, say: new plain leaves
+                leaves = [
+                    a if isinstance(a, torch.Tensor) else copy.deepcopy(b)
+                    for a, b in zip(old_leaves, new_leaves, strict=True)
+                ]
+                rebuilt[name] = tree_unflatten(leaves, old_spec)
+                flat[name] = (leaves, old_spec)
         for a, b in pairs:
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-                return False
-            if (
-                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
-                or a.layout != torch.strided or b.layout != torch.strided
+            if not (
+                type(a) is torch.Tensor and type(b) is torch.Tensor
+                and a.shape == b.shape and a.dtype == b.dtype
             ):  # fmt: skip
                 return False
             dst.append(a)
-            src.append(b.detach())
-    with torch.no_grad():
-        if dst:
-            torch._foreach_copy_(dst, src)
-    for name, plan in plans:
-        if plan is not None:
-            old[name] = tree_unflatten(*plan)
+            src.append(b)
+    try:
+        with torch.no_grad():
+            if dst:
+                # (a device or layout change raises here: then a fresh snapshot is made)
+                torch._foreach_copy_(dst, src)
+    except RuntimeError:
+        return False
+    old.update(rebuilt)
     return True
 
 
@@ -131,6 +140,7 @@ class Snapshot:
     meta: dict[str, Any] = field(default_factory=dict)
     # names of states that held no tensor when captured (copied whole when reused)
     plain: set[str] = field(default_factory=set, repr=False, compare=False)
+    _flat: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def capture(
@@ -151,7 +161,7 @@ class Snapshot:
         """
         states = {name: obj.state_dict() for name, obj in objects.items()}
         meta_d = dict(meta or {})
-        if reuse is not None and _copy_into(reuse.states, states, reuse.plain):
+        if reuse is not None and _copy_into(reuse.states, states, reuse.plain, reuse._flat):
             reuse.step, reuse.rng, reuse.meta = step, (_rng_state() if rng else None), meta_d
             return reuse
         # States that hold nothing but small Python values (a scaler's, a detector's) are
