@@ -224,3 +224,38 @@ def test_formats_may_be_one_name() -> None:
     assert Monitor(nn.Linear(2, 2), formats="e4m3fn").formats == ("e4m3fn",)
     with pytest.raises(ValueError, match="bogus"):
         Monitor(nn.Linear(2, 2), formats=("fp16", "bogus"))
+
+
+def test_sampled_statistics_hook_only_the_sampled_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stats every k steps: on the other steps only the model's own two hooks run; the
+    modules' hooks are registered on sampled steps and removed after them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    registered: list[int] = []
+    original = nn.Module.register_forward_pre_hook
+
+    def counting(self: nn.Module, *a: object, **k: object) -> object:
+        registered.append(mon_step())
+        return original(self, *a, **k)  # type: ignore[arg-type]
+
+    mon = Monitor(model, mode="stats", every=3)
+    mon_step = lambda: mon.step  # noqa: E731
+    monkeypatch.setattr(nn.Module, "register_forward_pre_hook", counting)
+    mon.attach()
+    x = torch.randn(3, 4)
+    seen = []
+    for _ in range(7):
+        model(x).sum().backward()
+        seen.append((mon.step, bool(mon.stats)))
+    assert seen == [(i, i % 3 == 0) for i in range(7)]
+    # the root's pre-hook once at attach; the three children's on steps 0, 3 and 6
+    assert registered == [0] + [0] * 3 + [3] * 3 + [6] * 3
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    model(bad).sum().backward()  # step 7: not sampled, nothing recorded
+    assert mon.step == 7 and mon.first_nonfinite is None
+    model(bad).sum().backward()  # step 8: not sampled
+    model(bad).sum().backward()  # step 9: sampled, the NaN input is found
+    f = mon.first_nonfinite
+    assert mon.step == 9 and f is not None and (f.phase, f.tensor) == ("input", "input[0]")
+    mon.detach()

@@ -255,6 +255,12 @@ class Monitor:
         self.step = 0
         self._names = {id(m): n for n, m in model.named_modules()}
         self._handles: list[RemovableHandle] = []
+        # Sampling (stats every k > 1 steps): the hooks of every module but the model's,
+        # made once at attach and registered on sampled steps only.
+        self._wiring: list[tuple[nn.Module, Any, Any]] = []
+        self._param_wiring: list[tuple[nn.Parameter, Any]] = []
+        self._sampled_handles: list[RemovableHandle] = []
+        self._quiet = False  # an unsampled step: the model's hooks record nothing
         self._sentinel = Sentinel()
         self._records: list[Record] = []
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
@@ -285,34 +291,69 @@ class Monitor:
         return bool(self._handles)
 
     def attach(self) -> Monitor:
-        """Register the hooks (idempotent)."""
+        """Register the hooks (idempotent). With statistics sampled every k > 1 steps,
+        only the model's own two hooks stay on; the others are registered on sampled
+        steps and removed on the next unsampled one, so the other steps cost two hook
+        calls."""
         if self._handles:
             return self
         off = _eager
+        self._wiring = []
         for name, mod in self.model.named_modules():
-            self._handles.append(
-                mod.register_forward_pre_hook(off(self._pre_hook(name, mod)), with_kwargs=True)
-            )
-            self._handles.append(
-                mod.register_forward_hook(
-                    off(self._post_hook(name)), with_kwargs=True, always_call=True
+            pre, post = off(self._pre_hook(name, mod)), off(self._post_hook(name))
+            if mod is self.model:
+                self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(
+                    mod.register_forward_hook(post, with_kwargs=True, always_call=True)
                 )
-            )
+            else:
+                self._wiring.append((mod, pre, post))
         seen: set[int] = set()
         for mname, mod in self.model.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
                 if id(p) in seen or not p.requires_grad:
                     continue
                 seen.add(id(p))
-                self._handles.append(p.register_hook(self._param_grad_hook(mname, pname)))
+                self._param_wiring.append((p, self._param_grad_hook(mname, pname)))
+        if not self._sampling:
+            self._handles += self._wire()
         return self
+
+    @property
+    def _sampling(self) -> bool:
+        return self.mode == "stats" and self.every > 1
+
+    def _wire(self) -> list[RemovableHandle]:
+        handles = []
+        for mod, pre, post in self._wiring:
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
+        for p, hook in self._param_wiring:
+            handles.append(p.register_hook(hook))  # type: ignore[no-untyped-call]
+        return handles
+
+    def _rewire(self) -> None:
+        """Sampling: hooks on every module on sampled steps only."""
+        want = self._stats_on()
+        if want and not self._sampled_handles:
+            self._sampled_handles = self._wire()
+        elif not want and self._sampled_handles:
+            for h in self._sampled_handles:
+                h.remove()
+            self._sampled_handles = []
+
+    def _saw_backward(self, grad_outputs: Any) -> None:
+        self._backward_seen = True
 
     def detach(self) -> None:
         """Remove every hook. Records of the current step stay readable."""
-        for h in self._handles + self._step_handles:
+        for h in self._handles + self._step_handles + self._sampled_handles:
             h.remove()
         self._handles.clear()
         self._step_handles.clear()
+        self._sampled_handles = []
+        self._wiring = []
+        self._param_wiring = []
         self._stack.clear()
         self._frames.clear()
 
@@ -327,6 +368,8 @@ class Monitor:
         """Start a new step: clear the records (the step counter advances)."""
         self.step += 1
         self._clear()
+        if self._sampling and self._handles:
+            self._rewire()
 
     def reset(self) -> None:
         """Clear the records of the current step, keeping the step counter."""
@@ -454,6 +497,11 @@ class Monitor:
                 if self.auto_step and (self._backward_seen or not self._last_forward_grad):
                     self.next_step()
                 self._last_forward_grad = torch.is_grad_enabled()
+                if self._sampling:
+                    self._rewire()
+                    if not self._stats_on():
+                        self._quiet = True
+                        return None
             self._stack.append(name)
             path = tuple(self._stack)
             inputs = _floats(args, "input")
@@ -528,6 +576,16 @@ class Monitor:
     def _post_hook(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
             if self._ignored():
+                return None
+            if self._quiet and module is self.model and not self._stack:
+                # An unsampled step: only notice its backward (to know when it ends).
+                self._quiet = False
+                node = next(
+                    (t.grad_fn for _, t in _floats(output, "output") if t.grad_fn is not None),
+                    None,
+                )
+                if node is not None:
+                    node.register_prehook(self._saw_backward)
                 return None
             on_top = bool(self._stack) and self._stack[-1] == name
             path = tuple(self._stack) if on_top else (name,)
