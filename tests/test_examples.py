@@ -105,3 +105,16 @@ def test_attention_scaling_question_2() -> None:
     assert float(out[f"{u} mean entropy nats"]) < 0.5 and float(out[f"{s} mean entropy nats"]) > 3.0
     key = "rows with vanishing softmax gradient (Jacobian norm < 0.01)"
     assert float(out[f"{u} {key}"]) > 0.2 and float(out[f"{s} {key}"]) == 0.0
+
+
+def test_async_nan_sentinel_counts_host_reads() -> None:
+    """Lesson Q3: one host read per layer for the naive sentinel, one per step for the
+    guard; a bad step is localized (the counts are asserted, never the times)."""
+    out = run("async_nan_sentinel.py")
+    layers = int(out["layers checked per step by the per-layer sentinel"])
+    assert layers == 25
+    assert float(out["host reads per step, per-layer isnan().any().item()"]) == layers
+    assert float(out["host reads per step, guard"]) == 1
+    assert out["bad step"].startswith("rolled_back, nonfinite_param")
+    assert "nan born in 6 (param, param:weight)" in out["bad step"]
+    assert float(out["time ratio per-layer / guard"]) > 0
