@@ -1,4 +1,26 @@
-"""The Monitor: module and tensor hooks feeding the sentinel (and statistics) in execution order."""
+"""The Monitor: module and tensor hooks feeding the sentinel (and statistics) in execution order.
+
+The opt-in, per-module watch: for loops without a closure (``Guard(watch="hooks")``) and
+for statistics sampled every k steps. The guard's always-on path needs none of it
+(detection is its one read per step; localization is a replay of the bad step).
+
+Words used here:
+
+- *record*: one watched tensor of this step (a module's input, output, parameter, a
+  gradient), in execution order, with its call path and role
+  (:class:`~floatguard.monitor.localize.Record`).
+- *slot*: a record's place in the :class:`~floatguard.monitor.sentinel.Sentinel`: a
+  read (one ``aminmax``) or a proof. An *alias* is a record whose tensor was already
+  recorded this step (same tensor, same version counter): it shares the slot.
+- *frame*: one call of a module whose output (and input gradient) may be proved
+  finite from what it was given; its *deps* are the slots of that input and of the
+  parameters the rule reads (:mod:`floatguard.monitor.bounds`).
+- *sampled step*: with ``mode="stats", every=k > 1``, a step whose hooks are on; the
+  others run only the model's own two hooks.
+
+Reading order: :class:`Monitor` (attach, steps, records), then the hooks it makes
+(``_pre_hook``, ``_post_hook``, ``_on_grad``, ``_param_grad_hook``), then reading.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +28,17 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import (
+    GetAttrKey,
+    MappingKey,
+    SequenceKey,
+    tree_flatten_with_path,
+    tree_map_only,
+)
 from torch.utils.hooks import RemovableHandle
 
 from floatguard._values import values_of
@@ -72,22 +101,47 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _role(prefix: str, path: tuple[Any, ...]) -> str:
+    """A pytree key path as a role: ``output[0]``, ``output.logits``, ``input[1]``."""
+    parts = [prefix]
+    for key in path:
+        if isinstance(key, SequenceKey):
+            parts.append(f"[{key.idx}]")
+        elif isinstance(key, MappingKey):
+            parts.append(f".{key.key}" if isinstance(key.key, str) else f"[{key.key!r}]")
+        elif isinstance(key, GetAttrKey):
+            parts.append(f".{key.name}")
+        else:
+            parts.append(str(key))
+    return "".join(parts)
+
+
 def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(role, tensor) for every floating tensor nested in tuples, lists, dicts, dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        if _watched(obj):
-            yield prefix, obj
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            yield from _walk(item, f"{prefix}[{i}]")
-    elif isinstance(obj, dict):
-        for k, item in obj.items():
-            yield from _walk(
-                item, f"{prefix}[{k!r}]" if not isinstance(k, str) else f"{prefix}.{k}"
-            )
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _walk(getattr(obj, f.name), f"{prefix}.{f.name}")
+    """(role, tensor) for every floating tensor in ``obj``: whatever torch's pytree
+    walks (tuples, lists, dicts, namedtuples, registered types such as Hugging Face's
+    ModelOutput), and the fields of plain dataclasses, which pytree leaves alone."""
+    leaves, _ = tree_flatten_with_path(obj, is_leaf=_is_dataclass_instance)
+    for path, leaf in leaves:
+        role = _role(prefix, path)
+        if isinstance(leaf, torch.Tensor):
+            if _watched(leaf):
+                yield role, leaf
+        elif _is_dataclass_instance(leaf):
+            for f in dataclasses.fields(leaf):
+                yield from _walk(getattr(leaf, f.name), f"{role}.{f.name}")
+
+
+class _Seen(NamedTuple):
+    """A tensor recorded this step: a weak reference (an id alone may be reused), its
+    version counter then (an in-place change since means new values), its slot."""
+
+    ref: weakref.ref[torch.Tensor]
+    version: int
+    slot: int
 
 
 @dataclasses.dataclass
@@ -176,18 +230,15 @@ def _hyper(m: nn.Module) -> tuple[Any, ...]:
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Rebuild tuples/lists/dicts with ``fn`` applied to their floating tensors."""
+    """``obj`` rebuilt by torch's pytree with ``fn`` applied to its floating tensors
+    (a plain dataclass is left as it is: its tensors are read, not replaced)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj) if _watched(obj) else obj
     if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
         return tuple(fn(o) if _watched(o) else o for o in obj)  # the common case
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_map(o, fn) for o in obj)
-    if isinstance(obj, list):
-        return [_map(o, fn) for o in obj]
-    if type(obj) is dict:
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
+    return tree_map_only(
+        torch.Tensor, lambda t: fn(t) if _watched(t) else t, obj, is_leaf=_is_dataclass_instance
+    )
 
 
 class Monitor:
@@ -263,7 +314,7 @@ class Monitor:
         self._quiet = False  # an unsampled step: the model's hooks record nothing
         self._sentinel = Sentinel()
         self._records: list[Record] = []
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        self._seen: dict[int, _Seen] = {}
         self._hooked: dict[
             int,
             tuple[weakref.ref[torch.Tensor], list[tuple[tuple[str, ...], str]], list[_Frame]],
@@ -401,6 +452,38 @@ class Monitor:
         the host copies to :meth:`faults_from`. None when nothing was recorded."""
         return self._sentinel.packed()
 
+    def _rule(
+        self,
+        frame: _Frame,
+        pass_: Literal["forward", "backward"],
+        width: int,
+        output: torch.Tensor | None,
+    ) -> Rule | None:
+        """The proof rule of ``frame``'s module for one pass, built once per module,
+        width, dtype, roundoff, training flag and hyper-parameters."""
+        m = frame.module
+        key = (id(m), pass_, width, frame.x, frame.acc, m.training, self._hyper_of(m))
+        if key in self._rules:
+            return self._rules[key]
+        if pass_ == "forward":
+            assert output is not None
+            rule = forward_rule(m, frame.x, output, frame.acc)
+        else:
+            assert frame.x is not None  # a backward proof needs the input's dtype
+            rule = backward_rule(m, width, frame.x, frame.acc)
+        self._rules[key] = rule
+        return rule
+
+    def _seen_slot(self, t: torch.Tensor, version: int | None) -> int | None:
+        """The slot of ``t`` if this very tensor, at this version, was recorded this step."""
+        hit = self._seen.get(id(t))
+        if hit is not None and hit.ref() is t and hit.version == version:
+            return hit.slot
+        return None
+
+    def _remember(self, t: torch.Tensor, version: int, slot: int) -> None:
+        self._seen[id(t)] = _Seen(weakref.ref(t), version, slot)
+
     def _hyper_of(self, m: nn.Module) -> tuple[Any, ...]:
         """The module's rule hyper-parameters, looked up once per step."""
         h = self._hypers.get(id(m))
@@ -463,21 +546,20 @@ class Monitor:
         t: torch.Tensor,
         proof: tuple[Rule, list[int]] | None = None,
     ) -> int:
-        key = id(t)
         try:
             version = t._version
         except RuntimeError:  # an inference tensor (no version): read it wherever seen
             return self._add(kind, path, role, t).slot
-        hit = self._seen.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == version:
+        slot = self._seen_slot(t, version)
+        if slot is not None:
             # Already checked this step (e.g. the previous module's output): alias it.
-            stats = self._slot_stats.get(hit[2])
-            self._records.append(Record(kind, [(path, role)], hit[2], tuple(t.shape), stats))
-            return hit[2]
+            stats = self._slot_stats.get(slot)
+            self._records.append(Record(kind, [(path, role)], slot, tuple(t.shape), stats))
+            return slot
         if proof is not None and (t.layout != torch.strided or t.is_complex()):
             proof = None
         rec = self._add(kind, path, role, t, proof)
-        self._seen[key] = (weakref.ref(t), version, rec.slot)
+        self._remember(t, version, rec.slot)
         return rec.slot
 
     def _pre_hook(self, name: str, module: nn.Module) -> Callable[..., Any]:
@@ -547,11 +629,11 @@ class Monitor:
                 # A view gives this module its own autograd edge: the hook sees exactly
                 # the gradient this module sends back to its input.
                 v = t.view_as(t)
-                hit = self._seen.get(id(t))
-                if hit is not None and hit[0]() is t and hit[1] == t._version:
+                slot = self._seen_slot(t, t._version)
+                if slot is not None:
                     # Same memory, same version counter: what the module's children see
                     # through the view was checked as the module's input.
-                    self._seen[id(v)] = (weakref.ref(v), v._version, hit[2])
+                    self._remember(v, v._version, slot)
                 # A module may return this very view (an identity, dropout with p=0):
                 # then its gradient arrives here before any node hook could see it as
                 # the module's grad_output. The post-hook files those roles in
@@ -595,20 +677,7 @@ class Monitor:
             if frame is not None and isinstance(output, torch.Tensor):
                 if output.dtype in PROVABLE_DTYPES:
                     width = output.shape[-1] if output.dim() else 1
-                    key = (
-                        id(module),
-                        0,
-                        width,
-                        frame.x,
-                        frame.acc,
-                        module.training,
-                        self._hyper_of(module),
-                    )
-                    if key in self._rules:
-                        rule = self._rules[key]
-                    else:
-                        rule = forward_rule(module, frame.x, output, frame.acc)
-                        self._rules[key] = rule
+                    rule = self._rule(frame, "forward", width, output)
                     if rule is not None:
                         proof = (rule, frame.deps)
             # A lone tensor is output[0], like the first element of a tuple.
@@ -658,9 +727,9 @@ class Monitor:
         if not (t.requires_grad and t.grad_fn is None):
             return t
         v = t.view_as(t)
-        hit = self._seen.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == _version(t):
-            self._seen[id(v)] = (weakref.ref(v), v._version, hit[2])  # same values
+        slot = self._seen_slot(t, _version(t))
+        if slot is not None:
+            self._remember(v, v._version, slot)  # same values
         return v
 
     def _grad_hook(
@@ -715,13 +784,7 @@ class Monitor:
                 and strided
                 and self.proofs == "all"
             ):
-                m = frame.module
-                rkey = (id(m), 1, frame.width, frame.x, frame.acc, m.training, self._hyper_of(m))
-                if rkey in self._rules:
-                    rule = self._rules[rkey]
-                else:
-                    rule = backward_rule(m, frame.width, frame.x, frame.acc)
-                    self._rules[rkey] = rule
+                rule = self._rule(frame, "backward", frame.width, None)
                 if rule is not None:
                     proof = (rule, [frame.g_slot, *frame.deps])
             rec = self._add(kind, roles[0][0], roles[0][1], grad, proof)
