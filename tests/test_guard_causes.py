@@ -503,3 +503,23 @@ def test_a_replay_does_not_advance_a_monitor() -> None:
         bad = X * math.nan
         assert replay(lambda: model(bad).sum().backward()) is not None
         assert mon.step == step
+
+
+def test_an_fp16_backward_bug_is_localized_once_the_scale_cannot_back_off() -> None:
+    from floatguard import DynamicLossScaler
+
+    model = net(SqrtAtZero())
+    scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0)
+    guard = Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=scaler
+    )
+    results = [guard.step(lambda: model(X).float().pow(2).mean()) for _ in range(4)]
+    assert [(r.reason, r.scale) for r in results] == [
+        ("overflow", 4.0),
+        ("overflow", 2.0),
+        ("nonfinite_grad", 1.0),
+        ("nonfinite_grad", 1.0),
+    ]
+    f = results[2].fault
+    assert f is not None and (f.phase, f.module) == ("backward", "1")
+    guard.close()

@@ -420,13 +420,10 @@ class Guard:
     ) -> tuple[_Response, str | None, Fault | None]:
         """The signal, then (on a non-finite step) the cause, then the response."""
         finite_loss = math.isfinite(read.loss)
-        if (
-            self.scaler.enabled
-            and finite_loss
-            and (read.overflow or not math.isfinite(read.grad_norm))
-        ):
+        overflow = read.overflow or not math.isfinite(read.grad_norm)
+        if self.scaler.enabled and finite_loss and overflow and not self._scale_at_floor():
             return self._agree("backoff"), "overflow", None
-        if not finite_loss or read.overflow or not math.isfinite(read.grad_norm):
+        if not finite_loss or overflow:
             fault = self._localize(step, read, closures)
             response, reason = self._respond_to_fault(fault, finite_loss)
             return self._agree(response), reason, fault
@@ -437,6 +434,11 @@ class Guard:
             self.skip_remaining -= 1
             return "skip", "after_rollback", None
         return "apply", None, None
+
+    def _scale_at_floor(self) -> bool:
+        """The loss scale cannot back off further: a gradient that still overflows is
+        not an overflow the scale can cure, so it is localized like any other fault."""
+        return self.scaler.get_scale() <= self.scaler.min_scale
 
     def _spike(self, read: _Read) -> str | None:
         if self.loss_detector is not None and self.loss_detector.would_spike(read.loss):
