@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -138,7 +140,7 @@ def test_replay_finds_the_nan_of_a_fully_masked_attention_row() -> None:
 def test_replay_does_not_read_out_buffers_as_inputs() -> None:
     def step() -> None:
         a = torch.tensor([1.0, 100.0, -3.0])
-        o = torch.full((3,), float("nan"))  # stale buffer content is not an input
+        o = torch.full((3,), float("inf"))  # stale buffer content is not an input
         torch.exp(a * 10, out=o)
 
     r = replay(step)
@@ -259,3 +261,19 @@ def test_sampled_statistics_hook_only_the_sampled_steps(monkeypatch: pytest.Monk
     f = mon.first_nonfinite
     assert mon.step == 9 and f is not None and (f.phase, f.tensor) == ("input", "input[0]")
     mon.detach()
+
+
+def test_a_nan_fill_is_a_fault_an_inf_fill_is_a_mask() -> None:
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def step(fill: float) -> torch.Tensor:
+        h = lin(x)
+        masked = h.masked_fill(torch.tensor([True, False, False, False]), fill)
+        loss = torch.logsumexp(masked, -1).sum() if fill < 0 else masked.sum()
+        loss.backward()
+        return loss
+
+    assert replay(lambda: step(-math.inf)) is None  # a -inf mask: data
+    r = replay(lambda: step(math.nan))
+    assert r is not None and (r.op, r.kind, r.phase) == ("aten.masked_fill.Scalar", "nan", "loss")

@@ -8,7 +8,7 @@ Words used here:
   are judged before the op runs (an in-place op overwrites them); ``out=`` buffers are
   not inputs; a sparse tensor is judged by the dense tensor it stands for.
 - *intended infinity*: ``-inf`` that is data, not a fault: a mask filled with
-  ``-inf`` (fill-type ops given a non-finite scalar are never candidates), log-space
+  ``-inf`` (fill-type ops given an infinite scalar are never candidates), log-space
   padding, ``-inf`` in the model's inputs. An op whose only non-finite outputs are
   ``-inf`` is a candidate of the last resort (``log(0)`` masked by a ``where`` is
   intended; ``log(0)`` that reaches the loss is not).
@@ -54,8 +54,8 @@ __all__ = ["ReplayResult", "replay"]
 
 # Uninitialised memory may hold anything: never blame these.
 _SKIP = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_")
-# Ops whose non-finite *scalar* argument is the point (masks filled with -inf):
-# their non-finite output is intended. Elsewhere a NaN scalar (x * nan) is a fault.
+# Ops whose infinite *scalar* argument is the point (masks filled with -inf): their
+# non-finite output is intended. A NaN scalar (x * nan, a fill with NaN) is a fault.
 _FILLS = (
     "fill", "fill_", "masked_fill", "masked_fill_", "full", "full_like", "new_full",
     "scalar_tensor", "where", "index_fill", "index_fill_", "clamp", "clamp_",
@@ -357,8 +357,8 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         outs = _out_args(func)
         ins = {k: v for k, v in kwargs.items() if k not in outs} if outs else kwargs
         in_t, in_s = _floats((args, ins))
-        if name in _FILLS and any(not math.isfinite(v) for v in in_s):
-            return func(*args, **kwargs)  # a mask filled with -inf: intended
+        if name in _FILLS and any(math.isinf(v) for v in in_s):
+            return func(*args, **kwargs)  # a mask filled with -inf: intended (NaN is not)
         level = max((_severity(t) for t in in_t), default=0)
         node = torch._C._current_autograd_node()
         if node is not None:
