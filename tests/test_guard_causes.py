@@ -523,3 +523,42 @@ def test_an_fp16_backward_bug_is_localized_once_the_scale_cannot_back_off() -> N
     f = results[2].fault
     assert f is not None and (f.phase, f.module) == ("backward", "1")
     guard.close()
+
+
+def test_an_inf_reaching_a_norm_layer_is_the_input_not_the_norm() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 3))
+    bad = X.clone()
+    bad[0, 0] = math.inf  # LayerNorm computes inf * 0 = NaN from it
+    r = replay(lambda: model(bad).sum().backward(), model=model)
+    assert r is not None and (r.phase, r.tensor, r.kind) == ("input", "input[0]", "inf")
+
+
+def test_a_tied_weight_gives_no_birth_in_a_module_that_never_ran() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unused = nn.Linear(8, 8)  # first owner of the weight; never called
+            self.used = nn.Linear(8, 8)
+            self.used.weight = self.unused.weight
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.used(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    with torch.no_grad():
+        model.used.weight[0, 0] = math.nan
+    with Monitor(model) as mon:
+        loss = model(X).sum()
+        mon.check_loss(loss)
+        loss.backward()
+    assert [(f.module, f.phase, f.tensor) for f in mon.faults] == [
+        ("used", "forward", "param:weight")
+    ]
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    r = guard.step(lambda: model(X).sum())
+    assert r.fault is not None and r.fault.phase == "param"
+    assert (r.fault.module, r.fault.tensor) == ("unused", "param:weight")  # its first name
+    guard.close()
