@@ -82,6 +82,16 @@ class RobustSpikeDetector:
             raise ValueError(f"warmup={warmup!r} must be an int in [3, window]")
         self.window, self.z, self.warmup = window, z, warmup
         self.history: list[float] = []
+        self._cached: tuple[list[float], float, float] | None = None
+
+    def _median_and_scale(self) -> tuple[float, float]:
+        """Median and 1.4826 MAD of the window, computed once per window content."""
+        if self._cached is not None and self._cached[0] == self.history:
+            return self._cached[1], self._cached[2]
+        med = statistics.median(self.history)
+        scale = 1.4826 * statistics.median(abs(v - med) for v in self.history)
+        self._cached = (list(self.history), med, scale)
+        return med, scale
 
     def score(self, value: float) -> float:
         """The robust z-score of ``value`` (0 during warmup, inf for non-finite)."""
@@ -89,9 +99,7 @@ class RobustSpikeDetector:
             return math.inf
         if len(self.history) < self.warmup:
             return 0.0
-        med = statistics.median(self.history)
-        mad = statistics.median(abs(v - med) for v in self.history)
-        scale = 1.4826 * mad
+        med, scale = self._median_and_scale()
         if scale == 0:
             return 0.0 if value <= med else math.inf
         return (value - med) / scale
