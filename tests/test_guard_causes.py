@@ -562,3 +562,22 @@ def test_a_tied_weight_gives_no_birth_in_a_module_that_never_ran() -> None:
     assert r.fault is not None and r.fault.phase == "param"
     assert (r.fault.module, r.fault.tensor) == ("unused", "param:weight")  # its first name
     guard.close()
+
+
+def test_a_closure_that_raises_leaves_nothing_behind() -> None:
+    model = net(nn.Tanh())
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def broken() -> torch.Tensor:
+        loss = model(X).float().pow(2).mean()
+        loss.backward()  # a gradient already accumulated before the error
+        raise KeyError("label")
+
+    with pytest.raises(KeyError):
+        guard.step(broken)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    r = guard.step(lambda: model(X).float().pow(2).mean())  # the next step is whole
+    assert r.action == "applied" and r.step == 0
+    guard.close()

@@ -314,7 +314,13 @@ class Guard:
         closures = self._closures(closure)
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
-            self._forward_backward(closures)
+            try:
+                self._forward_backward(closures)
+            except BaseException:
+                # The closure failed (a user error, an interrupt): the step did not
+                # happen; nothing of it stays for the next one.
+                self._discard()
+                raise
         elif not self._losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
         step = self.step_count
@@ -374,7 +380,8 @@ class Guard:
         if packed_mon is not None:
             lo, hi = packed_mon
             n = len(lo)
-            small = torch.cat([small, lo.to(dev).to(small.dtype), hi.to(dev).to(small.dtype)])
+            # float64 records stay float64 (cat promotes): a finite 1e300 is not an inf
+            small = torch.cat([small, lo.to(dev), hi.to(dev)])
         return _Gathered(small, n)
 
     def _clip_coef(self, grad_norm: float) -> tuple[float, tuple[float, bool] | None]:
@@ -602,6 +609,15 @@ class Guard:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def _discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._losses = []
+        self._state.restore_buffers()
+        if self.scaler.enabled:
+            self.scaler.skip_step()
+        if self.monitor is not None:
+            self.monitor.reset()
 
     def _undo(self) -> None:
         """A step not applied leaves no trace in the buffers it changed."""
