@@ -160,7 +160,7 @@ def test_guarded_run_recovers_unguarded_run_dies(tmp_path: Path) -> None:
     on_disk = list(read_events(tmp_path / "run.jsonl"))
     assert [e.kind for e in on_disk] == kinds
     first = json.loads((tmp_path / "run.jsonl").read_text().splitlines()[0])
-    assert first["schema"] == 1 and "time" in first
+    assert first["schema"] == 2 and "time" in first and first["rank"] == 0
     guard.close()
 
 

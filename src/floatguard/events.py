@@ -1,20 +1,25 @@
 """Typed event records and the JSONL sink: one stream for every observation and decision.
 
-Schema (version 1): each line is a JSON object with ``schema`` (1), ``kind``,
-``step`` and ``time`` (Unix seconds), plus the kind's fields:
+Schema 2: each line is one JSON object, the *envelope* ``schema`` (2), ``kind``,
+``step`` (int), ``time`` (Unix seconds), ``rank`` (int, 0 without torch.distributed),
+then the kind's own fields, exactly those of :data:`EVENT_FIELDS` (checked when an
+event is emitted: a missing, extra or envelope-named field is an error).
 
-``step``      action ("applied" | "skipped" | "rolled_back"), reason, loss, grad_norm,
-              clip_coef, scale, lr_factor
-``fault``     phase, module, tensor, kind_of_value ("nan" | "inf"), shape
-``overflow``  scale_before, scale_after (loss-scaler back-off)
-``spike``     signal ("loss" | "grad_norm"), value, threshold, detector
-``rollback``  to_step, rollbacks, skip_batches
-``lr_backoff`` factor
-``snapshot``  where ("memory" | path)
-``stop``      reason
+Non-finite floats have no JSON literal; they are written tagged, ``{"$float": "nan"}``
+(or ``"inf"``, ``"-inf"``), so a *string* ``"nan"`` stays a string. Schema 1 files
+(non-finite floats as the bare strings ``"nan"``, ``"inf"``, ``"-inf"``) are still
+read: there those strings become floats except in fields the schema says are
+strings (``kind_of_value``, ``phase``, ...).
 
-Non-finite floats are written as the strings "nan", "inf", "-inf" (JSON has no
-literal for them) and read back as floats by :func:`read_events`.
+Crash safety: every line is written whole and flushed (a process kill loses at most
+the line being written); ``fsync_every`` / ``fsync_seconds`` also fsync the file
+(off by default: a power loss may lose what the OS had not written yet). A writer
+appending to a file whose last line is torn starts on a new line; a reader skips a
+torn line (an object cut short) with a warning, or raises with ``strict=True``. Every
+other bad line is an error naming the file and line number.
+
+Memory: :class:`EventLog` keeps the last ``keep`` events (10,000 by default) and a
+count per kind; the file has them all.
 """
 
 from __future__ import annotations
@@ -23,33 +28,66 @@ import json
 import math
 import os
 import time
+import warnings
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["SCHEMA_VERSION", "Event", "EventLog", "read_events"]
+__all__ = ["EVENT_FIELDS", "SCHEMA_VERSION", "Event", "EventLog", "read_events"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+ENVELOPE = ("schema", "kind", "step", "time", "rank")
+_MAX_DEPTH = 32
+
+# Every kind and exactly its fields. A new kind is added here, with its fields.
+EVENT_FIELDS: dict[str, frozenset[str]] = {
+    k: frozenset(v)
+    for k, v in {
+        "step": ("action", "reason", "loss", "grad_norm", "clip_coef", "scale", "lr_factor"),
+        "fault": (
+            "phase", "module", "tensor", "kind_of_value", "shape", "op", "source",
+            "deterministic",
+        ),
+        "overflow": ("scale_before", "scale_after"),
+        "spike": ("signal", "value"),
+        "lr_backoff": ("factor",),
+        "rollback": ("to_step", "rollbacks", "skip_batches", "cause"),
+        "snapshot": ("where",),
+        "snapshot_error": ("where", "error", "policy"),
+        "snapshot_fallback": ("bad", "error", "used"),
+        "resume": ("from_step", "path"),
+        "warning": ("transients", "message"),
+        "stop": ("reason", "fault"),
+    }.items()
+}  # fmt: skip
+# Fields that hold strings: in schema 1 files a string "nan" there stays a string.
+_STRING_FIELDS = frozenset(
+    {"kind_of_value", "phase", "module", "tensor", "op", "source", "action", "reason",
+     "signal", "where", "cause", "message", "error", "path", "bad", "used", "policy", "fault"}
+)  # fmt: skip
 
 
 def _encode(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
     if isinstance(v, (list, tuple)):
         return [_encode(x) for x in v]
     if isinstance(v, dict):
-        return {k: _encode(x) for k, x in v.items()}
+        return {str(k): _encode(x) for k, x in v.items()}
     return v
 
 
-def _decode(v: Any) -> Any:
-    if v in ("nan", "inf", "-inf"):
-        return float(v)
-    if isinstance(v, list):
-        return [_decode(x) for x in v]
+def _decode(v: Any, schema: int, name: str | None = None) -> Any:
     if isinstance(v, dict):
-        return {k: _decode(x) for k, x in v.items()}
+        if len(v) == 1 and "$float" in v and v["$float"] in ("nan", "inf", "-inf"):
+            return float(v["$float"])
+        return {k: _decode(x, schema) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_decode(x, schema, name) for x in v]
+    if schema < 2 and v in ("nan", "inf", "-inf") and name not in _STRING_FIELDS:
+        return float(v)
     return v
 
 
@@ -61,60 +99,243 @@ class Event:
     step: int
     fields: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
+    rank: int = 0
 
     def to_json(self) -> str:
-        record = {"schema": SCHEMA_VERSION, "kind": self.kind, "step": self.step, "time": self.time}
+        record = {
+            "schema": SCHEMA_VERSION, "kind": self.kind, "step": self.step,
+            "time": self.time, "rank": self.rank,
+        }  # fmt: skip
         record.update(_encode(self.fields))
-        return json.dumps(record, sort_keys=False)
+        return json.dumps(record, allow_nan=False)
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]
 
 
-class EventLog:
-    """Collects events in memory and, if given a path, appends them to a JSONL file
-    (line-buffered, flushed per event so a crash loses at most the line being written)."""
+def check_event(kind: str, fields: dict[str, Any]) -> None:
+    """Raise ValueError unless ``fields`` are exactly ``kind``'s (and no envelope name)."""
+    clash = sorted(set(fields) & set(ENVELOPE))
+    if clash:
+        raise ValueError(
+            f"event field(s) {clash} would overwrite the envelope ({', '.join(ENVELOPE)}); "
+            "rename them"
+        )
+    expected = EVENT_FIELDS.get(kind)
+    if expected is None:
+        raise ValueError(
+            f"unknown event kind {kind!r}; known: {', '.join(sorted(EVENT_FIELDS))} "
+            "(add a kind to floatguard.events.EVENT_FIELDS with its fields)"
+        )
+    got = set(fields)
+    if got != expected:
+        missing, extra = sorted(expected - got), sorted(got - expected)
+        raise ValueError(f"event {kind!r}: missing fields {missing}, unexpected {extra}")
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        self.events: list[Event] = []
+
+class EventLog:
+    """The last ``keep`` events in memory (and a count per kind) and, given a path,
+    every event appended to a JSONL file, one flushed line each.
+
+    ``fsync_every``: fsync after that many events; ``fsync_seconds``: fsync when that
+    long has passed since the last one (both None: never, the default; the OS writes
+    the data out on its own schedule, so a kill loses nothing flushed, a power loss
+    may). ``rank`` goes in every envelope. A failed write (a full or read-only disk)
+    warns once and keeps the events in memory: it never breaks a training step.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        keep: int = 10_000,
+        fsync_every: int | None = None,
+        fsync_seconds: float | None = None,
+        rank: int = 0,
+    ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"EventLog(keep={keep!r}) must be an int >= 0")
+        if fsync_every is not None and (not isinstance(fsync_every, int) or fsync_every < 1):
+            raise ValueError(f"EventLog(fsync_every={fsync_every!r}) must be an int >= 1 or None")
+        if fsync_seconds is not None and not fsync_seconds > 0:
+            raise ValueError(f"EventLog(fsync_seconds={fsync_seconds!r}) must be > 0 or None")
+        self._ring: deque[Event] = deque(maxlen=keep)
+        self.counts: Counter[str] = Counter()
         self.path = Path(path) if path is not None else None
+        self.rank = int(rank)
+        self.fsync_every, self.fsync_seconds = fsync_every, fsync_seconds
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
         self._fh: IO[str] | None = None
+        self.write_error: str | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            torn = _ends_torn(self.path)
             self._fh = open(self.path, "a", encoding="utf-8")  # closed in close()
+            if torn:
+                self._fh.write("\n")  # a crash left half a line: start on a fresh one
 
-    def emit(self, kind: str, step: int, **fields: Any) -> Event:
-        ev = Event(kind, step, fields)
-        self.events.append(ev)
+    @property
+    def events(self) -> list[Event]:
+        """The events kept in memory (the last ``keep``), oldest first."""
+        return list(self._ring)
+
+    def emit(self, kind: str, step: int, /, **fields: Any) -> Event:
+        check_event(kind, fields)
+        ev = Event(kind, int(step), fields, rank=self.rank)
+        self._ring.append(ev)
+        self.counts[kind] += 1
         if self._fh is not None:
-            self._fh.write(ev.to_json() + "\n")
-            self._fh.flush()
+            self._write(ev)
         return ev
 
+    def _write(self, ev: Event) -> None:
+        assert self._fh is not None
+        try:
+            self._fh.write(ev.to_json() + "\n")
+            self._fh.flush()
+            self._unsynced += 1
+            now = time.monotonic()
+            if (self.fsync_every is not None and self._unsynced >= self.fsync_every) or (
+                self.fsync_seconds is not None and now - self._last_sync >= self.fsync_seconds
+            ):
+                os.fsync(self._fh.fileno())
+                self._unsynced, self._last_sync = 0, now
+        except OSError as e:
+            warnings.warn(
+                f"floatguard: cannot write events to {self.path} ({e}); from now on they "
+                f"are kept in memory only (the last {self._ring.maxlen}); training goes on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.write_error = str(e)
+            self._drop_file()
+
+    def _drop_file(self) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                pass  # what it still buffered cannot be written either
+
     def of_kind(self, kind: str) -> list[Event]:
-        return [e for e in self.events if e.kind == kind]
+        """The kept events of one kind, oldest first."""
+        return [e for e in self._ring if e.kind == kind]
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-
-def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
-    """Events of a JSONL file written by :class:`EventLog` (any schema version <= ours)."""
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from None
-            if rec.get("schema", 0) > SCHEMA_VERSION:
-                raise ValueError(
-                    f"{path}:{n}: schema {rec['schema']} is newer than this floatguard "
-                    f"({SCHEMA_VERSION}); upgrade floatguard to read it"
-                )
-            kind, step, t = rec.pop("kind"), rec.pop("step"), rec.pop("time", 0.0)
-            rec.pop("schema", None)
-            yield Event(kind, int(step), _decode(rec), float(t))
+                self._fh.flush()
+                if self.fsync_every is not None or self.fsync_seconds is not None:
+                    os.fsync(self._fh.fileno())
+            except OSError as e:
+                self.write_error = str(e)
+            self._drop_file()
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether a non-empty file's last byte is not a newline (a line cut by a crash)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
+def _depth(v: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value, stopping past ``limit``."""
+    stack, deepest = [(v, 1)], 0
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(x, dict):
+            stack.extend((y, d + 1) for y in x.values())
+        elif isinstance(x, list):
+            stack.extend((y, d + 1) for y in x)
+    return deepest
+
+
+class _TornLine(ValueError):
+    """A line cut short by a crash mid-write: valid JSON up to where it stops."""
+
+
+def _is_truncated(text: str, e: json.JSONDecodeError) -> bool:
+    # A JSON object cut short fails at its end, or inside a string it began.
+    return e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+
+
+def _parse(raw: bytes, where: str) -> Event:
+    """One line to an Event, or ValueError naming ``where`` (file:line) and the fault."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.end >= len(raw):  # a multi-byte character cut at the end of the line
+            raise _TornLine(f"{where}: a torn line (cut inside a character)") from None
+        raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("{") and _is_truncated(text, e):
+            raise _TornLine(f"{where}: a torn line (cut short: {e.msg})") from None
+        raise ValueError(f"{where}: not a JSON line ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a line must be a JSON object, got {type(rec).__name__}")
+    if _depth(rec, _MAX_DEPTH) > _MAX_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH} levels")
+    schema = rec.get("schema", 1)
+    if isinstance(schema, bool) or not isinstance(schema, int) or schema < 1:
+        raise ValueError(f"{where}: schema must be a positive int, got {schema!r}")
+    if schema > SCHEMA_VERSION:
+        raise ValueError(
+            f"{where}: schema {schema} is newer than this floatguard ({SCHEMA_VERSION}); "
+            "upgrade floatguard to read it"
+        )
+    for name, ok, want in (
+        ("kind", isinstance(rec.get("kind"), str), "a string"),
+        ("step", type(rec.get("step")) is int, "an int"),
+    ):
+        if name not in rec:
+            raise ValueError(f"{where}: no {name!r} field")
+        if not ok:
+            raise ValueError(f"{where}: {name!r} must be {want}, got {rec[name]!r}")
+    t = rec.get("time", 0.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise ValueError(f"{where}: 'time' must be a number, got {t!r}")
+    rank = rec.get("rank", 0)
+    if type(rank) is not int:
+        raise ValueError(f"{where}: 'rank' must be an int, got {rank!r}")
+    fields = {k: _decode(v, schema, k) for k, v in rec.items() if k not in ENVELOPE}
+    return Event(rec["kind"], rec["step"], fields, float(t), rank)
+
+
+def read_events(path: str | os.PathLike[str], *, strict: bool = False) -> Iterator[Event]:
+    """Events of a JSONL file written by :class:`EventLog` (schema 1 or 2).
+
+    Every bad line raises ValueError naming the file and line. A torn line (a JSON
+    object cut short by a crash mid-write: at the end of the file, or followed by the
+    lines a later writer appended after it) is skipped with a RuntimeWarning, or
+    raises with ``strict=True``. Blank lines are skipped.
+    """
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            ev = _parse(raw, where)
+        except _TornLine as e:
+            if strict:
+                raise
+            warnings.warn(f"{e}; skipped", RuntimeWarning, stacklevel=2)
+            continue
+        yield ev

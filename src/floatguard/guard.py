@@ -742,7 +742,7 @@ class Guard:
                 "rollbacks": self.rollbacks - 1,
                 "events": len(self.events.events),
             }
-            self.events.emit("stop", step, reason="max_rollbacks")
+            self.events.emit("stop", step, reason="max_rollbacks", fault=None)
             raise GuardStopped(
                 f"training stopped at step {step}: {self.response.max_rollbacks} rollbacks did not "
                 "restore healthy steps; see the event log",

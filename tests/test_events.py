@@ -1,0 +1,180 @@
+"""The event stream: round trips, a corpus of malformed files, torn lines, bounded memory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from floatguard import EventLog, read_events
+from floatguard.events import EVENT_FIELDS, check_event
+
+
+def fields_of(kind: str, **over: object) -> dict[str, object]:
+    base: dict[str, object] = dict.fromkeys(EVENT_FIELDS[kind], None)
+    base.update(over)
+    return base
+
+
+def test_every_field_type_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    values = {
+        "phase": "nan",  # a string "nan" stays a string
+        "module": "inf",
+        "tensor": "-inf",
+        "kind_of_value": "nan",
+        "shape": [3, 4],
+        "op": None,
+        "source": 'x.py:3: y = "quoted" \\ back',
+        "deterministic": True,
+    }
+    log = EventLog(path)
+    log.emit("fault", 7, **values)
+    step = fields_of(
+        "step", loss=math.nan, grad_norm=math.inf, scale=-math.inf, clip_coef=1e-300,
+        lr_factor=0.5, action="skipped",
+    )  # fmt: skip
+    log.emit("step", 8, **step)
+    log.close()
+    got = list(read_events(path))
+    assert got[0].fields == values and got[0].step == 7 and got[0].rank == 0
+    s = got[1]
+    assert math.isnan(s["loss"]) and s["grad_norm"] == math.inf and s["scale"] == -math.inf
+    assert s["clip_coef"] == 1e-300 and s["action"] == "skipped" and s["reason"] is None
+    raw = [json.loads(line) for line in path.read_text().splitlines()]
+    assert raw[1]["loss"] == {"$float": "nan"} and raw[0]["phase"] == "nan"
+    assert all(r["schema"] == 2 for r in raw)
+
+
+def test_schema_1_files_are_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "old.jsonl"
+    lines = [
+        {"schema": 1, "kind": "fault", "step": 3, "time": 1.0, "phase": "input",
+         "kind_of_value": "nan", "module": "", "tensor": "input[0]", "shape": [2]},
+        {"schema": 1, "kind": "step", "step": 3, "time": 1.0, "loss": "nan", "grad_norm": "inf"},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    fault, step = read_events(path)
+    assert fault["kind_of_value"] == "nan"  # the schema says it is a string
+    assert math.isnan(step["loss"]) and step["grad_norm"] == math.inf
+
+
+def test_the_envelope_cannot_be_overwritten_and_fields_are_exact() -> None:
+    log = EventLog()
+    for name in ("schema", "kind", "step", "time", "rank"):
+        with pytest.raises(ValueError, match=rf"\['{name}'\] would overwrite the envelope"):
+            log.emit("snapshot", 0, where="memory", **{name: 7})
+    with pytest.raises(ValueError, match=r"unknown event kind 'stpe'.*known: fault"):
+        log.emit("stpe", 0)
+    with pytest.raises(ValueError, match=r"missing fields \['value'\], unexpected \['threshold'\]"):
+        check_event("spike", {"signal": "loss", "threshold": 3.0})
+    assert log.events == [] and not log.counts
+
+
+CORPUS: list[tuple[bytes, str]] = [
+    (b"[1, 2]", "must be a JSON object, got list"),
+    (b'"text"', "must be a JSON object, got str"),
+    (b"not json at all", "not a JSON line"),
+    (b'{"kind": "step", "step": 1} trailing', "not a JSON line"),
+    (b'{"schema": 2, "step": 1, "time": 0}', "no 'kind' field"),
+    (b'{"schema": 2, "kind": "step", "time": 0}', "no 'step' field"),
+    (b'{"schema": 2, "kind": 5, "step": 1}', "'kind' must be a string"),
+    (b'{"schema": 2, "kind": "step", "step": 1.7}', "'step' must be an int, got 1.7"),
+    (b'{"schema": 2, "kind": "step", "step": true}', "'step' must be an int, got True"),
+    (b'{"schema": 2, "kind": "step", "step": "3"}', "'step' must be an int"),
+    (b'{"schema": 2, "kind": "step", "step": 1, "time": "noon"}', "'time' must be a number"),
+    (b'{"schema": 2, "kind": "step", "step": 1, "rank": 0.5}', "'rank' must be an int"),
+    (b'{"schema": "2", "kind": "step", "step": 1}', "schema must be a positive int"),
+    (b'{"schema": 9, "kind": "step", "step": 1}', "schema 9 is newer"),
+    (b'{"schema": 2, "kind": "st\xff\xfe", "step": 1}', "not UTF-8"),
+    (b'{"schema": 2, "kind": "s", "step": 1, "x": ' + b"[" * 100 + b"]" * 100 + b"}",
+     "nested deeper than 32"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("line", "message"), CORPUS, ids=[m for _, m in CORPUS])
+def test_a_bad_line_is_an_error_naming_file_and_line(
+    tmp_path: Path, line: bytes, message: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    good = b'{"schema": 2, "kind": "snapshot", "step": 0, "time": 1.0, "where": "memory"}\n'
+    path.write_bytes(good + line + b"\n" + good)
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: .*{message.split(',')[0]}"):
+        list(read_events(path))
+
+
+def test_torn_lines_are_skipped_with_a_warning_or_raise_when_strict(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    log = EventLog(path)
+    for i in range(3):
+        log.emit("snapshot", i, where="memory")
+    log.close()
+    whole = path.read_bytes()
+    line = json.dumps({"schema": 2, "kind": "lr_backoff", "step": 3, "time": 1.0, "factor": 0.5})
+    for cut in (5, 20, len(line) - 1):  # cut inside a key, a value, before the brace
+        path.write_bytes(whole + line.encode()[:cut])
+        with pytest.warns(RuntimeWarning, match=r"run\.jsonl:4: a torn line"):
+            assert [e.step for e in read_events(path)] == [0, 1, 2]
+        with pytest.raises(ValueError, match=r"run\.jsonl:4: a torn line"):
+            list(read_events(path, strict=True))
+    # a multi-byte character cut at the end of the file
+    path.write_bytes(whole + '{"schema": 2, "kind": "é'.encode()[:-1])
+    with pytest.warns(RuntimeWarning, match="torn"):
+        assert len(list(read_events(path))) == 3
+
+
+def test_an_appending_writer_starts_after_a_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b'{"schema": 2, "kind": "snapshot", "step": 0, "time": 1.0, "where": "mem')
+    log = EventLog(path)
+    log.emit("snapshot", 1, where="memory")
+    log.close()
+    with pytest.warns(RuntimeWarning, match=r"run\.jsonl:1: a torn line"):
+        events = list(read_events(path))
+    assert [(e.kind, e.step) for e in events] == [("snapshot", 1)]
+
+
+def test_memory_is_bounded_and_counts_run_on(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "run.jsonl", keep=100)
+    for i in range(10_000):
+        log.emit("snapshot", i, where="memory")
+    assert len(log.events) == 100 and log.events[0].step == 9_900
+    assert log.counts["snapshot"] == 10_000
+    log.close()
+    assert sum(1 for _ in read_events(tmp_path / "run.jsonl")) == 10_000
+
+
+def test_fsync_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd) or real(fd))
+    log = EventLog(tmp_path / "a.jsonl")  # default: never
+    for i in range(10):
+        log.emit("snapshot", i, where="memory")
+    log.close()
+    assert calls == []
+    log = EventLog(tmp_path / "b.jsonl", fsync_every=4)
+    for i in range(10):
+        log.emit("snapshot", i, where="memory")
+    assert len(calls) == 2
+    log.close()  # and once at close
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="fsync_every=0"):
+        EventLog(fsync_every=0)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_failed_write_warns_once_and_keeps_going() -> None:
+    log = EventLog("/dev/full")  # every write: "No space left on device"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            log.emit("snapshot", i, where="memory")
+    assert len([w for w in caught if "cannot write events" in str(w.message)]) == 1
+    assert len(log.events) == 3 and log.write_error is not None
+    log.close()
