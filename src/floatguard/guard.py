@@ -50,7 +50,7 @@ from floatguard.monitor.replay import ReplayResult, run_localized
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clip import ZClip, clip_grad_value_, total_norm
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
-from floatguard.stability.snapshot import Snapshot
+from floatguard.stability.snapshot import Snapshot, SnapshotError, SnapshotStore, load_snapshot
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
 from floatguard.stability.step_state import StepState, set_rng_state
 
@@ -246,6 +246,13 @@ class Guard:
         self._state = StepState(model)
         self._state.save()
         self._snapshot: Snapshot | None = None
+        self._snapshots_taken = 0
+        self._store = (
+            SnapshotStore(self.response.snapshot_dir, self.response.snapshot_keep)
+            if self.response.snapshot_dir is not None
+            else None
+        )
+        self._applied = False  # set just before optimizer.step(): no undo past it
         self._take_snapshot(0)
 
     @staticmethod
@@ -325,9 +332,16 @@ class Guard:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
         step = self.step_count
         self.step_count += 1
-        read = self._read(self._gather())
-        response, reason, fault = self._decide(step, read, closures)
-        return self._act(step, read, response, reason, fault)
+        self._applied = False
+        try:
+            read = self._read(self._gather())
+            response, reason, fault = self._decide(step, read, closures)
+            return self._act(step, read, response, reason, fault)
+        except BaseException:
+            if not self._applied:  # the step did not happen: as if it had not begun
+                self.step_count = step
+                self._discard()
+            raise
 
     # ------------------------------------------------------------------ run
     @staticmethod
@@ -586,6 +600,7 @@ class Guard:
         if self.good_steps % self.response.snapshot_every == 0 and self.good_steps:
             self._take_snapshot(step)
         self._clip(read.clip_coef)
+        self._applied = True
         self._optimizer_step()
         if self.zclip is not None and read.zclip is not None:
             self.zclip.update(read.grad_norm, *read.zclip)
@@ -697,22 +712,103 @@ class Guard:
             objs["norm_detector"] = self.norm_detector
         return objs
 
+    def _counters(self) -> dict[str, Any]:
+        """The guard's own state, saved with each snapshot (for :meth:`resume`)."""
+        return {
+            "good": self.good_steps, "consecutive_bad": self.consecutive_bad,
+            "rollbacks": self.rollbacks, "transients": self.transients,
+            "skip_remaining": self.skip_remaining, "lr_factor": self.lr_factor,
+            "lr_recover_from": self._lr_recover_from, "lr_recover_step": self._lr_recover_step,
+            "snapshots": self._snapshots_taken,
+            # the torch RNG at the start of the step (a resumed run redoes this step)
+            "step_rng": dict(self._state.rng),
+        }  # fmt: skip
+
     def _take_snapshot(self, step: int) -> None:
         """Snapshot the state before step ``step`` is applied (its weights just gave a
-        finite loss and gradients). Copied into the previous snapshot's memory."""
+        finite loss and gradients), in memory (copied into the previous snapshot's
+        memory) and, every ``disk_every``-th time, on disk."""
         self._rolled_back_for = None
         self._snapshot = Snapshot.capture(
-            step,
-            self._stateful(),
-            meta={"good": self.good_steps},
-            reuse=self._snapshot,
+            step, self._stateful(), meta=self._counters(), reuse=self._snapshot
         )
+        self._snapshots_taken += 1
         where = "memory"
-        if self.response.snapshot_dir is not None:
-            path = Path(self.response.snapshot_dir) / "floatguard-snapshot.pt"
-            self._snapshot.save(path)
-            where = str(path)
+        if self._store is not None and (self._snapshots_taken - 1) % self.response.disk_every == 0:
+            where = self._write_snapshot(step, self._snapshot)
         self.events.emit("snapshot", step, where=where)
+
+    def _write_snapshot(self, step: int, snap: Snapshot) -> str:
+        """Write ``snap`` to the store; a failure is an event, then the policy acts."""
+        assert self._store is not None
+        try:
+            return str(self._store.save(snap))
+        except (OSError, RuntimeError, SnapshotError) as e:
+            policy = self.response.on_snapshot_error
+            error = f"{type(e).__name__}: {e}"
+            self.events.emit(
+                "snapshot_error", step, where=str(self._store.folder), error=error, policy=policy
+            )
+            if policy == "disable":
+                self._store = None
+            elif policy == "raise":
+                raise SnapshotError(
+                    f"cannot write the snapshot of step {step} to {self._store.folder} "
+                    f"({error}); the step was not applied"
+                ) from e
+            return "memory"
+
+    def resume(self, path: str | os.PathLike[str] | None = None) -> int:
+        """Continue a run from its newest good snapshot on disk; returns the step to run next.
+
+        ``path``: a snapshot file, or a folder of them (default: the policy's
+        ``snapshot_dir``). In a folder, a newest snapshot that fails to verify is
+        skipped for the one before it (a ``snapshot_fallback`` event each). Model,
+        optimizer, scaler, scheduler, clipper, detectors, the guard's counters and the
+        torch RNG (as at the start of that step) are restored; a ``resume`` event marks
+        where the event stream picks up (events of the steps the crash cut short stay
+        in the file before it). Feed the data from the returned step on.
+        """
+        target = Path(path) if path is not None else None
+        if target is None and self.response.snapshot_dir is not None:
+            target = Path(self.response.snapshot_dir)
+        if target is None:
+            raise ValueError(
+                "Guard.resume() needs a path, or ResponsePolicy(snapshot_dir=...) to look in"
+            )
+        if target.is_dir():
+            store = SnapshotStore(target, self.response.snapshot_keep)
+            snap, used, bad = store.load_latest(map_location=self.device)
+        else:
+            snap, used, bad = load_snapshot(target, map_location=self.device), target, []
+        for p, why in bad:
+            self.events.emit("snapshot_fallback", snap.step, bad=str(p), error=why, used=str(used))
+        missing = sorted(set(self._stateful()) - set(snap.states))
+        if missing:
+            raise SnapshotError(
+                f"{used} holds no state for {missing} (it has {sorted(snap.states)}): it was "
+                "written by a guard set up differently"
+            )
+        snap.restore(self._stateful())
+        self._load_counters(snap.meta)
+        self.step_count = snap.step
+        self._snapshot = snap
+        self._state.save()
+        self.events.emit("resume", snap.step, from_step=snap.step, path=str(used))
+        return snap.step
+
+    def _load_counters(self, meta: dict[str, Any]) -> None:
+        self.good_steps = int(meta.get("good", 0))
+        self.consecutive_bad = int(meta.get("consecutive_bad", 0))
+        self.rollbacks = int(meta.get("rollbacks", 0))
+        self.transients = int(meta.get("transients", 0))
+        self.skip_remaining = int(meta.get("skip_remaining", 0))
+        self.lr_factor = float(meta.get("lr_factor", 1.0))
+        self._lr_recover_from = meta.get("lr_recover_from")
+        self._lr_recover_step = int(meta.get("lr_recover_step", 0))
+        self._snapshots_taken = int(meta.get("snapshots", 0))
+        if meta.get("step_rng"):
+            set_rng_state(meta["step_rng"])
 
     @property
     def last_snapshot(self) -> Snapshot | None:

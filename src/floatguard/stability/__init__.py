@@ -8,7 +8,7 @@ from floatguard.stability.clip import (
     clip_grad_value_,
 )
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
-from floatguard.stability.snapshot import Snapshot, load_snapshot
+from floatguard.stability.snapshot import Snapshot, SnapshotError, SnapshotStore, load_snapshot
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "ResponsePolicy",
     "RobustSpikeDetector",
     "Snapshot",
+    "SnapshotError",
+    "SnapshotStore",
     "SpikePolicy",
     "WindowedZClip",
     "ZClip",

@@ -85,8 +85,13 @@ class ResponsePolicy:
 
     Snapshots are taken every ``snapshot_every`` good steps, of weights that have just
     given a finite loss and gradients, in memory (copied into the same buffers each
-    time); also on disk under ``snapshot_dir`` when set. A rollback loses at most
-    ``snapshot_every`` steps.
+    time). A rollback loses at most ``snapshot_every`` steps. With ``snapshot_dir``,
+    every ``disk_every``-th of them is also written there (verified files, the last
+    ``snapshot_keep`` kept; :meth:`Guard.resume` continues a run from the newest good
+    one). A failed write is a ``snapshot_error`` event and, per
+    ``on_snapshot_error``: ``"retry"`` at the next snapshot (default), ``"disable"``
+    writing for the rest of the run, or ``"raise"`` :class:`SnapshotError` with the
+    step not applied (model, optimizer, gradients and counters as before it).
     """
 
     lr_backoff_after: int = 2
@@ -97,6 +102,9 @@ class ResponsePolicy:
     max_rollbacks: int = 3
     snapshot_every: int = 5
     snapshot_dir: str | None = None
+    snapshot_keep: int = 2
+    disk_every: int = 1
+    on_snapshot_error: Literal["retry", "disable", "raise"] = "retry"
     transient_warn_after: int = 3
 
     def __post_init__(self) -> None:
@@ -106,6 +114,8 @@ class ResponsePolicy:
             "rollback_after",
             "max_rollbacks",
             "snapshot_every",
+            "snapshot_keep",
+            "disk_every",
             "transient_warn_after",
         )
         for name in ints:
@@ -115,6 +125,11 @@ class ResponsePolicy:
         if not isinstance(self.skip_batches, int) or self.skip_batches < 0:
             raise ValueError(
                 f"ResponsePolicy.skip_batches={self.skip_batches!r} must be an int >= 0"
+            )
+        if self.on_snapshot_error not in ("retry", "disable", "raise"):
+            raise ValueError(
+                f"ResponsePolicy.on_snapshot_error={self.on_snapshot_error!r}; use 'retry', "
+                "'disable' or 'raise'"
             )
         if not 0 < self.lr_backoff_factor < 1:
             raise ValueError(

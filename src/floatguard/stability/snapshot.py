@@ -1,21 +1,31 @@
-"""Snapshots for rollback: in memory, and atomically on disk.
+"""Snapshots for rollback: in memory, and atomically and verifiably on disk.
 
 A snapshot holds deep copies of the model's and optimizer's state, any number of
 other stateful objects (loss scaler, clipper, detectors: anything with
 ``state_dict`` / ``load_state_dict``), a step counter and the RNG states (torch
 CPU and CUDA, numpy, Python). Restoring yields bit-identical state.
 
-On disk the write is atomic: serialise to a temporary file in the same folder,
-flush and fsync it, ``os.replace`` it over the target, fsync the folder. A crash
-at any point leaves either the old file or the new one, never a torn one.
-Loading uses ``torch.load(weights_only=True)``: a snapshot file cannot run code.
+On disk a snapshot file is a header (a magic line, the payload's length and its
+SHA-256) and the payload (``torch.save`` of the state). The write is atomic:
+serialise, write a temporary file in the same folder, flush and fsync it,
+``os.replace`` it over the target, fsync the folder; a crash at any point leaves
+the old file or the new one, never a torn one. Loading checks the magic line, the
+length and the checksum before ``torch.load(weights_only=True)`` (a snapshot file
+cannot run code): a corrupted, truncated or foreign file raises
+:class:`SnapshotError` naming the path and what is wrong. :class:`SnapshotStore`
+keeps the last K snapshots of a run in a folder, removes what interrupted saves
+left behind, and loads the newest good one.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
 import os
 import random
+import re
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +35,14 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Snapshot", "Stateful", "load_snapshot"]
+__all__ = ["Snapshot", "SnapshotError", "SnapshotStore", "Stateful", "load_snapshot"]
+
+MAGIC = b"FLOATGUARD-SNAPSHOT 1\n"
+_HEADER = struct.Struct(">Q32s")  # payload length, SHA-256 of the payload
+
+
+class SnapshotError(ValueError):
+    """A snapshot file that cannot be trusted: corrupted, truncated, or not a snapshot."""
 
 
 class Stateful(Protocol):
@@ -185,36 +202,128 @@ class Snapshot:
             _set_rng_state(self.rng)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write atomically to ``path`` (temp file, fsync, rename, fsync the folder)."""
+        """Write atomically to ``path`` (temp file, fsync, rename, fsync the folder),
+        with a header holding the payload's length and SHA-256."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
         payload = {"step": self.step, "states": self.states, "rng": self.rng, "meta": self.meta}
+        torch.save(payload, buf)
+        data = buf.getbuffer()
+        header = MAGIC + _HEADER.pack(len(data), hashlib.sha256(data).digest())
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
-                torch.save(payload, fh)
+                fh.write(header)
+                fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(target.parent)
         return target
+
+
+def _fsync_dir(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def load_snapshot(
     path: str | os.PathLike[str], map_location: str | torch.device | None = None
 ) -> Snapshot:
-    """Read a snapshot written by :meth:`Snapshot.save` (``weights_only=True``)."""
+    """Read and verify a snapshot written by :meth:`Snapshot.save`.
+
+    Raises FileNotFoundError when there is no file, and :class:`SnapshotError` (naming
+    the path) when it is not a snapshot, is truncated, fails its checksum, or its
+    payload does not load as one (``weights_only=True``: it cannot run code).
+    """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no snapshot at {p}")
-    payload = torch.load(p, map_location=map_location, weights_only=True)
-    return Snapshot(
-        int(payload["step"]), payload["states"], payload["rng"], payload.get("meta", {})
-    )
+    raw = p.read_bytes()
+    head = len(MAGIC) + _HEADER.size
+    if not raw.startswith(MAGIC):
+        what = "an empty file" if not raw else "no snapshot header"
+        raise SnapshotError(f"{p} is not a floatguard snapshot ({what})")
+    if len(raw) < head:
+        raise SnapshotError(f"{p}: truncated snapshot (the header is cut short)")
+    length, digest = _HEADER.unpack_from(raw, len(MAGIC))
+    data = memoryview(raw)[head:]
+    if len(data) != length:
+        raise SnapshotError(
+            f"{p}: truncated or padded snapshot ({len(data)} payload bytes, the header "
+            f"says {length})"
+        )
+    if hashlib.sha256(data).digest() != digest:
+        raise SnapshotError(f"{p}: corrupted snapshot (SHA-256 of the payload does not match)")
+    try:
+        payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        return Snapshot(
+            int(payload["step"]), payload["states"], payload["rng"], payload.get("meta", {})
+        )
+    except Exception as e:  # a payload that verifies but is not ours
+        raise SnapshotError(
+            f"{p}: the payload is not a floatguard snapshot ({type(e).__name__})"
+        ) from None
+
+
+_NAME = re.compile(r"^snapshot-(\d{9})\.fgs$")
+
+
+class SnapshotStore:
+    """The last ``keep`` snapshots of a run in ``folder``: ``snapshot-<step>.fgs``.
+
+    :meth:`save` first removes the temporary files interrupted saves left
+    (``.snapshot-*.tmp``; never read as snapshots), writes atomically, then removes
+    the oldest snapshots beyond ``keep``. :meth:`load_latest` returns the newest one
+    that verifies, and says which newer ones did not.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], keep: int = 2) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"SnapshotStore(keep={keep!r}) must be an int >= 1")
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def path_for(self, step: int) -> Path:
+        return self.folder / f"snapshot-{step:09d}.fgs"
+
+    def paths(self) -> list[Path]:
+        """The snapshot files, newest (highest step) first."""
+        if not self.folder.is_dir():
+            return []
+        found = [p for p in self.folder.iterdir() if _NAME.match(p.name)]
+        return sorted(found, key=lambda p: p.name, reverse=True)
+
+    def leftovers(self) -> list[Path]:
+        """Temporary files of interrupted saves."""
+        if not self.folder.is_dir():
+            return []
+        return [p for p in self.folder.iterdir() if p.name.startswith(".snapshot-")]
+
+    def save(self, snapshot: Snapshot) -> Path:
+        for p in self.leftovers():
+            p.unlink(missing_ok=True)
+        path = snapshot.save(self.path_for(snapshot.step))
+        for old in self.paths()[self.keep :]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_latest(
+        self, map_location: str | torch.device | None = None
+    ) -> tuple[Snapshot, Path, list[tuple[Path, str]]]:
+        """(snapshot, its path, [(newer bad path, why)]); SnapshotError when none is good."""
+        bad: list[tuple[Path, str]] = []
+        for p in self.paths():
+            try:
+                return load_snapshot(p, map_location), p, bad
+            except (SnapshotError, OSError) as e:
+                bad.append((p, str(e)))
+        why = "; ".join(f"{p.name}: {e}" for p, e in bad) or "the folder holds none"
+        raise SnapshotError(f"no good snapshot in {self.folder} ({why})")
