@@ -234,6 +234,8 @@ class Guard:
         self.good_steps = 0
         self.consecutive_bad = 0
         self.rollbacks = 0
+        self._rollback_streak = 0  # rollbacks in a row, for the stop rule
+        self._good_since_rollback = 0
         self.transients = 0
         self.skip_remaining = 0
         self.lr_factor = 1.0
@@ -610,6 +612,7 @@ class Guard:
                 det.record(v)
         self.consecutive_bad = 0
         self.good_steps += 1
+        self._good_since_rollback += 1
         self._recover_lr()
 
     def _optimizer_step(self) -> None:
@@ -717,6 +720,8 @@ class Guard:
         return {
             "good": self.good_steps, "consecutive_bad": self.consecutive_bad,
             "rollbacks": self.rollbacks, "transients": self.transients,
+            "rollback_streak": self._rollback_streak,
+            "good_since_rollback": self._good_since_rollback,
             "skip_remaining": self.skip_remaining, "lr_factor": self.lr_factor,
             "lr_recover_from": self._lr_recover_from, "lr_recover_step": self._lr_recover_step,
             "snapshots": self._snapshots_taken,
@@ -801,6 +806,8 @@ class Guard:
         self.good_steps = int(meta.get("good", 0))
         self.consecutive_bad = int(meta.get("consecutive_bad", 0))
         self.rollbacks = int(meta.get("rollbacks", 0))
+        self._rollback_streak = int(meta.get("rollback_streak", 0))
+        self._good_since_rollback = int(meta.get("good_since_rollback", 0))
         self.transients = int(meta.get("transients", 0))
         self.skip_remaining = int(meta.get("skip_remaining", 0))
         self.lr_factor = float(meta.get("lr_factor", 1.0))
@@ -831,12 +838,16 @@ class Guard:
         )
 
     def _rollback(self, step: int, fault: Fault | None, *, lr_backoff: bool) -> Action:
-        self.rollbacks += 1
-        if self.rollbacks > self.response.max_rollbacks:
+        # Rollbacks in a row: fewer than rollback_window good steps between them.
+        if self._good_since_rollback >= self.response.rollback_window:
+            self._rollback_streak = 0
+        self._rollback_streak += 1
+        self._good_since_rollback = 0
+        if self._rollback_streak > self.response.max_rollbacks:
             report = {
                 "step": step,
-                "rollbacks": self.rollbacks - 1,
-                "events": len(self.events.events),
+                "rollbacks": self._rollback_streak - 1,
+                "events": sum(self.events.counts.values()),
             }
             self.events.emit("stop", step, reason="max_rollbacks", fault=None)
             raise GuardStopped(
@@ -844,6 +855,7 @@ class Guard:
                 "restore healthy steps; see the event log",
                 report,
             )
+        self.rollbacks += 1
         assert self._snapshot is not None
         self._snapshot.restore(self._stateful())
         self.consecutive_bad = 0

@@ -81,7 +81,8 @@ class ResponsePolicy:
       default: no good batch is thrown away unless you ask);
     - the same deterministic fault again after a rollback, before the next snapshot:
       stop (:class:`GuardStopped`) with the fault named; after ``max_rollbacks``
-      rollbacks: stop.
+      rollbacks in a row (fewer than ``rollback_window`` good steps between them):
+      stop. Rare faults far apart (a cosmic ray a day) never add up to a stop.
 
     Snapshots are taken every ``snapshot_every`` good steps, of weights that have just
     given a finite loss and gradients, in memory (copied into the same buffers each
@@ -100,6 +101,7 @@ class ResponsePolicy:
     rollback_after: int = 5
     skip_batches: int = 0
     max_rollbacks: int = 3
+    rollback_window: int = 1000
     snapshot_every: int = 5
     snapshot_dir: str | None = None
     snapshot_keep: int = 2
@@ -113,6 +115,7 @@ class ResponsePolicy:
             "lr_recovery_steps",
             "rollback_after",
             "max_rollbacks",
+            "rollback_window",
             "snapshot_every",
             "snapshot_keep",
             "disk_every",
