@@ -195,3 +195,49 @@ def test_a_nan_weight_after_resume_still_rolls_back(tmp_path: Path) -> None:
     assert (r.action, r.reason) == ("rolled_back", "nonfinite_param")
     assert all(bool(torch.isfinite(p).all()) for p in model2.parameters())
     g2.close()
+
+
+def test_every_event_the_guard_writes_has_exactly_its_kinds_fields(tmp_path: Path) -> None:
+    from floatguard import DynamicLossScaler, SpikePolicy
+    from floatguard.events import EVENT_FIELDS
+
+    folder = tmp_path / "snaps"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = Guard(
+        model, opt, precision="fp16", log=tmp_path / "run.jsonl",
+        scaler=DynamicLossScaler(init_scale=16.0),
+        spikes=SpikePolicy(window=10, warmup=5, z=5.0),
+        response=ResponsePolicy(snapshot_dir=str(folder), rollback_after=2,
+                                transient_warn_after=1),
+    )  # fmt: skip
+    calls = {"n": 0}
+    for i in range(40):
+        x, y = _batch(i)
+        if i == 12:
+            x = x * math.nan
+        if i == 15:
+            y = y * 30.0
+        if i == 18:
+            with torch.no_grad():
+                model[0].weight[0, 0] = math.nan
+        if i == 30:
+            shutil.rmtree(folder)
+            folder.write_text("x")
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y, i: int = i) -> torch.Tensor:
+            calls["n"] += 1
+            if i == 21 and calls["n"] % 2:  # only the first call: transient
+                return F.mse_loss(model(x * math.nan).float(), y)
+            factor = 1e30 if i in (24, 25) else 1.0  # fp16 gradient overflow
+            return F.mse_loss(model(x).float(), y) * factor
+
+        guard.step(closure)
+    guard.close()
+    events = list(read_events(tmp_path / "run.jsonl"))
+    kinds = {e.kind for e in events}
+    assert kinds >= {"step", "fault", "overflow", "spike", "rollback", "snapshot",
+                     "snapshot_error", "warning"}, kinds  # fmt: skip
+    for e in events:
+        assert set(e.fields) == EVENT_FIELDS[e.kind], (e.kind, sorted(e.fields))
