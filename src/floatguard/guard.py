@@ -229,7 +229,7 @@ class Guard:
         # The guard starts the monitor's steps itself, so records of every micro-batch
         # of an accumulated step are there when the step is decided.
         self.monitor = Monitor(model, auto_step=False).attach() if watch == "hooks" else None
-        self.events = EventLog(log)
+        self.events = EventLog(log, rank=self._rank())
         self.step_count = 0
         self.good_steps = 0
         self.consecutive_bad = 0
@@ -256,6 +256,13 @@ class Guard:
         )
         self._applied = False  # set just before optimizer.step(): no undo past it
         self._take_snapshot(0)
+
+    def _rank(self) -> int:
+        if not self.distributed:
+            return 0
+        import torch.distributed as dist
+
+        return int(dist.get_rank(self.process_group))
 
     @staticmethod
     def _check_args(

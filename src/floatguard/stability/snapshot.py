@@ -203,7 +203,9 @@ class Snapshot:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write atomically to ``path`` (temp file, fsync, rename, fsync the folder),
-        with a header holding the payload's length and SHA-256."""
+        with a header holding the payload's length and SHA-256. The payload is
+        serialised in memory first (to checksum it): a save briefly holds one more
+        copy of the state in host memory."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
