@@ -581,3 +581,14 @@ def test_a_closure_that_raises_leaves_nothing_behind() -> None:
     r = guard.step(lambda: model(X).float().pow(2).mean())  # the next step is whole
     assert r.action == "applied" and r.step == 0
     guard.close()
+
+
+def test_nan_in_data_the_closure_captured_is_the_input() -> None:
+    """A corrupted loss weight (data given to the step, not made by it) is phase input,
+    at the line that used it."""
+    model = net(nn.Tanh())
+    weights = torch.ones(4, 3)
+    weights[1, 1] = math.nan
+    _, f = one_step(model, lambda: (model(X).pow(2) * weights).mean())
+    assert (f.phase, f.kind, f.op, f.deterministic) == ("input", "nan", "input", True)
+    assert f.source is not None and "* weights" in f.source

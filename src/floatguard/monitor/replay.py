@@ -220,11 +220,13 @@ class _Context:
         self.done = False
         self.early: list[_Candidate] = []  # parameter and input births, found in pre-hooks
         self.notes: list[str] = []
+        self.known: set[int] = set()  # storages of the model's parameters and buffers
         if model is not None:
             self._adopt(model, with_root=True)
 
     def _adopt(self, model: nn.Module, *, with_root: bool) -> None:
         self.names = {id(m): n for n, m in model.named_modules()}
+        self.known = {_storage(t) for t in (*model.parameters(), *model.buffers())}
         for m in model.modules():
             if m is model and not with_root:
                 continue
@@ -344,11 +346,46 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.ctx = ctx
         self.candidates: list[_Candidate] = []
+        self.made: set[int] = set()  # storages the step's ops wrote
+        self.outside: _Candidate | None = None  # NaN/+inf data the step was given
+        self.outside_at = 0  # how many candidates came before it
         self.backward_started = False
         self.last_forward_bad = False
 
+    def _note_outputs(self, out: Any) -> None:
+        """Remember the memory the step's ops wrote (to tell it from data given to it)."""
+        leaves, _ = tree_flatten(out)
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                self.made.add(_storage(t))
+
+    def _outside_data(self, func: Any, in_t: list[torch.Tensor], sevs: list[int]) -> None:
+        """NaN or +inf in a tensor no op of the step made (the batch, a loss weight the
+        closure captured): born outside the step, in its data (phase "input"). Memory
+        allocated before the replay cannot be reused by it while alive, so a storage
+        the step's ops never wrote was given to it."""
+        if self.outside is not None:
+            return
+        for t, sev in zip(in_t, sevs, strict=True):
+            if sev == 2 and _storage(t) not in self.made and _storage(t) not in self.ctx.known:
+                kind: Literal["nan", "inf"] = "nan" if _has_nan(t) else "inf"
+                module = self.ctx.current()
+                phase: Phase = "input"
+                res = ReplayResult(
+                    "input", phase, kind, _user_frame(traceback.extract_stack()[:-2]),
+                    [], [tensor_stats(t)], None, module if module is not None else "",
+                    f"data into {func}", tuple(t.shape),
+                )  # fmt: skip
+                self.outside = _Candidate(res, False, False, (), (t,))
+                self.outside_at = len(self.candidates)
+                return
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        out = self._dispatch(func, args, kwargs or {})
+        self._note_outputs(out)
+        return out
+
+    def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if len(self.candidates) >= _MAX_CANDIDATES:
             return func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
@@ -359,12 +396,15 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         in_t, in_s = _floats((args, ins))
         if name in _FILLS and any(math.isinf(v) for v in in_s):
             return func(*args, **kwargs)  # a mask filled with -inf: intended (NaN is not)
-        level = max((_severity(t) for t in in_t), default=0)
+        sevs = [_severity(t) for t in in_t]
+        level = max(sevs, default=0)
         node = torch._C._current_autograd_node()
         if node is not None:
             self.backward_started = True
         forward = node is None and not self.backward_started
         if level == 2:
+            if forward:
+                self._outside_data(func, in_t, sevs)
             out = func(*args, **kwargs)  # NaN or +inf in: a consequence
             if forward:
                 self.last_forward_bad = True
@@ -478,13 +518,16 @@ def _choose(
 ) -> ReplayResult | None:
     if ctx.early:
         return ctx.early[0].result
+    forward_harm = births.last_forward_bad if loss_bad is None else loss_bad
+    before = births.candidates[: births.outside_at] if births.outside is not None else []
+    if births.outside is not None and forward_harm and not any(not c.ninf_only for c in before):
+        return births.outside.result  # bad data came in before anything was born
     cands = list(births.candidates)
     for i, (owner, pname) in hits.items():
         c = cands[i]
         c.result = replace(c.result, phase="param_grad", module=owner, tensor=f"param:{pname}")
     if not cands:
         return None
-    forward_harm = births.last_forward_bad if loss_bad is None else loss_bad
     pool = [c for c in cands if c.backward != forward_harm] or cands
     strong = [c for c in pool if not c.ninf_only]
     return (strong or pool)[0].result
