@@ -592,3 +592,13 @@ def test_nan_in_data_the_closure_captured_is_the_input() -> None:
     _, f = one_step(model, lambda: (model(X).pow(2) * weights).mean())
     assert (f.phase, f.kind, f.op, f.deterministic) == ("input", "nan", "input", True)
     assert f.source is not None and "* weights" in f.source
+
+
+def test_under_fp16_a_weight_past_its_range_is_a_bad_parameter() -> None:
+    """A flipped exponent bit leaves 0.02 as ~2e37: finite in float32, inf once cast to
+    fp16 by autocast: rolled back at once like a NaN weight."""
+    model = net(nn.Tanh())
+    with torch.no_grad():
+        model[2].weight[0, 0] = 2e37
+    guard, f = one_step(model, lambda: model(X).float().pow(2).mean(), precision="fp16")
+    assert (f.phase, f.module, f.tensor, f.kind) == ("param", "2", "param:weight", "inf")

@@ -498,10 +498,19 @@ class Guard:
             for key, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1:
                     tensors.append((owner, f"optimizer:{pname}.{key}", v))
-        checks = [values_of(t).isfinite().all().to(self.device) for _, _, t in tensors]
+        # Under fp16 autocast a weight past fp16's range turns into inf when cast: a
+        # flipped exponent bit that leaves it finite in float32 is as bad as a NaN.
+        limit = 65504.0 if self.precision == "fp16" else math.inf
+        checks = [
+            (values_of(t).abs() <= limit).all().to(self.device)
+            if role.startswith("param:") and limit < math.inf
+            else values_of(t).isfinite().all().to(self.device)
+            for _, role, t in tensors
+        ]
         flags = torch.stack(checks).tolist() if checks else []  # a bad step's second read
         for (owner, role, t), ok in zip(tensors, flags, strict=True):
             if not ok:
+                # (a weight past fp16's range counts as the inf it becomes when cast)
                 kind: Literal["nan", "inf"] = "nan" if bool(values_of(t).isnan().any()) else "inf"
                 shape = tuple(t.shape)
                 return Fault(step, "param", owner, role, kind, shape, None, "parameter", None, True)
