@@ -37,8 +37,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 demo: $(STAMP)
-	$(VENV)/bin/floatguard formats
-	$(VENV)/bin/floatguard explain 0.1 --format fp32,bf16,fp16,e4m3fn
+	$(VENV)/bin/floatguard demo --out floatguard-demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quantize.py

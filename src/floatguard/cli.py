@@ -1,13 +1,19 @@
-"""The ``floatguard`` command line: ``formats`` and ``explain``."""
+"""The ``floatguard`` command line: ``demo``, ``report``, ``diagnose``, ``formats``, ``explain``.
+
+User mistakes (a bad option, a missing file, an unwritable folder, an unknown
+command) are one red line on stderr and exit code 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from floatguard.formats import FORMATS, explain, get
@@ -49,7 +55,9 @@ def formats(
 ) -> None:
     """Print the table of every format floatguard knows, with its exact limits."""
     if as_json:
-        _out.print_json(json.dumps([f.summary() for f in FORMATS.values()]))
+        from floatguard.events import encode_value
+
+        print(json.dumps(encode_value([f.summary() for f in FORMATS.values()]), allow_nan=False))
         return
     table = Table(title="Floating-point formats (exact limits)")
     for col in ("format", "bits", "exp", "mant", "bias", "max", "min normal", "min subnormal"):
@@ -75,7 +83,7 @@ def formats(
     _out.print(table)
 
 
-@app.command(name="explain")
+@app.command(name="explain", context_settings={"ignore_unknown_options": True})
 def explain_cmd(
     value: Annotated[str, typer.Argument(help="A number: 0.1, 1e-8, 0x1.cp8, inf, nan.")],
     fmt: Annotated[
@@ -94,7 +102,10 @@ def explain_cmd(
     except (ValueError, TypeError) as e:
         raise _fail(str(e)) from None
     if as_json:
-        _out.print_json(json.dumps([r.to_dict() for r in results], default=str))
+        # strict JSON: non-finite floats tagged as the event stream writes them
+        from floatguard.events import encode_value
+
+        print(json.dumps(encode_value([r.to_dict() for r in results]), default=str))
         return
     # Formats side by side: one column each, one row per property.
     table = Table(title=f"{value} stored in {', '.join(r.format for r in results)}")
@@ -120,9 +131,195 @@ def explain_cmd(
     _out.print(table)
 
 
+def _live_demo(**kwargs: Any) -> Any:
+    """Run the demo with a rich progress bar; events print above it as they happen."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from floatguard.demo.run import run_demo
+
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=_out,
+    )
+    task = progress.add_task("training", total=kwargs["steps"], status="")
+
+    def on_step(step: int, r: Any, loss: float) -> None:
+        status = f"loss {loss:.4f}"
+        if r is not None:
+            status += f"  scale {r.scale:g}  |g| {r.grad_norm:.3g}"
+        progress.update(task, completed=step + 1, status=status)
+
+    def on_event(ev: Any) -> None:
+        if ev.kind in ("step", "snapshot"):
+            if ev.kind != "step" or ev["action"] == "applied":
+                return
+            progress.console.print(
+                f"step {ev.step}: [yellow]{ev['action']}[/yellow] ({ev['reason']})", markup=True
+            )
+            return
+        text = ", ".join(f"{k}={v}" for k, v in ev.fields.items() if v is not None)
+        progress.console.print(f"step {ev.step}: [red]{ev.kind}[/red] {escape(text)}", markup=True)
+
+    with progress:
+        return run_demo(on_step=on_step, on_event=on_event, **kwargs)
+
+
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option(help="Training steps (>= 20).")] = 400,
+    precision: Annotated[
+        str, typer.Option(help="fp16 (with loss scaling), bf16 or fp32.")
+    ] = "fp16",
+    faults: Annotated[
+        str, typer.Option(help="default, none, or names: corrupt_batch,bit_flip,masked_row,...")
+    ] = "default",
+    seed: Annotated[int, typer.Option(help="Seed of the model, the data and the schedule.")] = 0,
+    out: Annotated[Path, typer.Option(help="Folder for the report.")] = Path("floatguard-demo"),
+    unguarded: Annotated[
+        bool, typer.Option("--unguarded", help="The same schedule without the guard.")
+    ] = False,
+    no_live: Annotated[bool, typer.Option("--no-live", help="Log lines, no live view.")] = False,
+) -> None:
+    """Train a tiny GPT under fp16 with a fault schedule; find, localize and answer each fault."""
+    from floatguard.demo.run import FAULTS, run_demo, schedule_for
+
+    if precision not in ("fp16", "bf16", "fp32"):
+        raise _fail(f"--precision {precision!r}; use fp16, bf16 or fp32")
+    if steps < 20:
+        raise _fail(f"--steps {steps}: the fault schedule needs at least 20 steps")
+    names = {"default": list(FAULTS), "none": []}.get(faults)
+    if names is None:
+        names = [f.strip() for f in faults.split(",") if f.strip()]
+        unknown = [f for f in names if f not in FAULTS]
+        if unknown:
+            raise _fail(f"--faults: unknown fault {unknown[0]!r}; known: {', '.join(FAULTS)}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        log = out / "events.jsonl"
+        log.unlink(missing_ok=True)
+        probe = out / ".floatguard-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
+    kwargs: dict[str, Any] = dict(
+        steps=steps, precision=precision, faults=names, seed=seed, guarded=not unguarded, log=log
+    )
+    what = "unguarded (GradScaler + clip_grad_norm_)" if unguarded else "guarded"
+    plan = ", ".join(f"{k} @ {v}" for k, v in schedule_for(steps, names).items()) or "none"
+    _out.print(f"floatguard demo: tiny GPT, {precision}, {steps} steps, {what}; faults: {plan}")
+    result = run_demo(**kwargs) if no_live else _live_demo(**kwargs)
+    from floatguard.diagnose import diagnose
+    from floatguard.events import read_events
+    from floatguard.report import render_report
+
+    index = render_report(log, out, title=f"floatguard demo ({what})")
+    found = diagnose(read_events(log))
+    _out.print(f"\ntask accuracy (next token, positions 2..): {result.accuracy:.3f}")
+    _out.print(f"final loss: {result.final_loss:.4f}; weights finite: {result.finite}")
+    if result.died_at is not None:
+        _out.print(f"[red]the run died at step {result.died_at}[/red]: loss non-finite from "
+                   "then on, a weight out of range", markup=True)  # fmt: skip
+    _print_findings(found)
+    _out.print(f"report: {index} ({result.seconds:.1f} s of training)")
+
+
+def _print_findings(found: list[Any]) -> None:
+    if not found:
+        _out.print("diagnosis: nothing to report")
+        return
+    _out.print("\n[bold]diagnosis[/bold]", markup=True)
+    for f in found:
+        _out.print(f"- [bold]{escape(f.title)}[/bold]: {escape(f.evidence)}", markup=True)
+        _out.print(f"  cause: {escape(f.cause)}", markup=True)
+        _out.print(f"  fix: {escape(f.fix)}", markup=True)
+
+
+def _events_of(run: Path) -> tuple[list[Any], list[str]]:
+    from floatguard.events import read_events
+
+    if not run.is_file():
+        raise _fail(f"{str(run)!r}: no such file (give a run's events.jsonl)")
+    problems: list[str] = []
+    try:
+        events = list(read_events(run, errors=problems))
+    except OSError as e:
+        raise _fail(f"{str(run)!r}: cannot read it ({e.strerror or e})") from None
+    if not events:
+        raise _fail(
+            f"{str(run)!r} holds no readable event" + (f": {problems[0]}" if problems else "")
+        )
+    return events, problems
+
+
+@app.command()
+def report(
+    run: Annotated[Path, typer.Argument(help="A run's event log (events.jsonl).")],
+    out: Annotated[Path, typer.Option(help="Folder for index.html and the plots.")] = Path(
+        "floatguard-report"
+    ),
+) -> None:
+    """Render a run's event log into the report: index.html and PNG plots."""
+    from floatguard.report import render_report
+
+    _, problems = _events_of(run)
+    try:
+        index = render_report(run, out)
+    except OSError as e:
+        raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
+    for p in problems:
+        _err.print(f"[yellow]skipped[/yellow] {escape(p)}", markup=True)
+    _out.print(f"report: {index}")
+
+
+@app.command(name="diagnose")
+def diagnose_cmd(
+    run: Annotated[Path, typer.Argument(help="A run's event log (events.jsonl).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Print the diagnosis of a run: findings with evidence, likely cause and fix."""
+    from floatguard.diagnose import diagnose
+
+    events, problems = _events_of(run)
+    found = diagnose(events)
+    if as_json:
+        print(json.dumps([f.to_dict() for f in found], allow_nan=False))
+        return
+    for p in problems:
+        _err.print(f"[yellow]skipped[/yellow] {escape(p)}", markup=True)
+    _print_findings(found)
+
+
+def _click_exceptions() -> Any:
+    import importlib
+
+    try:  # typer >= 0.20 carries its own copy of click
+        return importlib.import_module("typer._click.exceptions")
+    except ImportError:  # older typer: click itself
+        return importlib.import_module("click.exceptions")
+
+
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: a user mistake is one red line and exit code 2."""
+    cx = _click_exceptions()
+    try:
+        rc = app(standalone_mode=False)
+    except cx.NoSuchOption as e:
+        rc = _fail(f"no such option: {e.option_name}; see --help").exit_code
+    except cx.UsageError as e:
+        first = e.format_message().strip().splitlines()[-1].rstrip(".")
+        rc = _fail(f"{first}; see --help").exit_code
+    except cx.Abort:
+        rc = _fail("aborted").exit_code
+    except (typer.Exit, cx.Exit) as e:
+        rc = e.exit_code
+    except KeyboardInterrupt:
+        rc = _fail("interrupted").exit_code
+    raise SystemExit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import os
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -77,6 +77,11 @@ def _encode(v: Any) -> Any:
     if isinstance(v, dict):
         return {str(k): _encode(x) for k, x in v.items()}
     return v
+
+
+def encode_value(v: Any) -> Any:
+    """``v`` with non-finite floats tagged (``{"$float": "nan"}``), for strict JSON."""
+    return _encode(v)
 
 
 def _decode(v: Any, schema: int, name: str | None = None) -> Any:
@@ -167,6 +172,7 @@ class EventLog:
         self._unsynced = 0
         self._last_sync = time.monotonic()
         self._fh: IO[str] | None = None
+        self._listeners: list[Callable[[Event], None]] = []
         self.write_error: str | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +193,13 @@ class EventLog:
         self.counts[kind] += 1
         if self._fh is not None:
             self._write(ev)
+        for listener in self._listeners:
+            listener(ev)
         return ev
+
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        """Call ``listener`` with every event from now on (a live view, a logger)."""
+        self._listeners.append(listener)
 
     def _write(self, ev: Event) -> None:
         assert self._fh is not None
@@ -317,13 +329,17 @@ def _parse(raw: bytes, where: str) -> Event:
     return Event(rec["kind"], rec["step"], fields, float(t), rank)
 
 
-def read_events(path: str | os.PathLike[str], *, strict: bool = False) -> Iterator[Event]:
+def read_events(
+    path: str | os.PathLike[str], *, strict: bool = False, errors: list[str] | None = None
+) -> Iterator[Event]:
     """Events of a JSONL file written by :class:`EventLog` (schema 1 or 2).
 
-    Every bad line raises ValueError naming the file and line. A torn line (a JSON
-    object cut short by a crash mid-write: at the end of the file, or followed by the
-    lines a later writer appended after it) is skipped with a RuntimeWarning, or
-    raises with ``strict=True``. Blank lines are skipped.
+    Every bad line raises ValueError naming the file and line, unless ``errors`` is a
+    list: then its message is appended there and the line skipped (a report renders
+    the rest). A torn line (a JSON object cut short by a crash mid-write: at the end
+    of the file, or followed by the lines a later writer appended after it) is
+    skipped with a RuntimeWarning, or raises with ``strict=True``. Blank lines are
+    skipped.
     """
     with open(path, "rb") as fh:
         lines = fh.read().split(b"\n")
@@ -336,6 +352,14 @@ def read_events(path: str | os.PathLike[str], *, strict: bool = False) -> Iterat
         except _TornLine as e:
             if strict:
                 raise
-            warnings.warn(f"{e}; skipped", RuntimeWarning, stacklevel=2)
+            if errors is not None:
+                errors.append(f"{e}; skipped")
+            else:
+                warnings.warn(f"{e}; skipped", RuntimeWarning, stacklevel=2)
+            continue
+        except ValueError as e:
+            if errors is None:
+                raise
+            errors.append(str(e))
             continue
         yield ev

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,10 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    attention: Literal["sdpa", "explicit"] = "sdpa"
+    """"sdpa": F.scaled_dot_product_attention (a fully masked row gives 0); "explicit":
+    softmax(q k^T / sqrt(d) + mask) v, as hand-written attention does it (a fully
+    masked row gives NaN)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -28,20 +34,31 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={v!r} must be a positive int")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.attention not in ("sdpa", "explicit"):
+            raise ValueError(f"attention={self.attention!r}; use 'sdpa' or 'explicit'")
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.explicit = cfg.attention == "explicit"
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.explicit or pad is not None:
+            masked = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            if pad is not None:  # keys that are padding: no query may look at them
+                masked = masked | pad[:, None, None, :]
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            att = att.masked_fill(masked, float("-inf")).softmax(dim=-1)
+            y = att @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, c))
         return out
 
@@ -66,8 +83,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), pad)
         out: torch.Tensor = x + self.mlp(self.ln2(x))
         return out
 
@@ -93,13 +110,15 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``idx`` ([batch, T] token ids); ``pad`` ([batch, T] bool): keys
+        that are padding, masked out of attention."""
         t = idx.shape[1]
         if t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x, pad)
         logits: torch.Tensor = self.head(self.ln_f(x))
         return logits
 

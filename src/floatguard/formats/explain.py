@@ -80,12 +80,22 @@ def _fields(fmt: Format, code: int) -> tuple[str, str, str]:
 def parse_value(text: str) -> float:
     """Read a decimal (``0.1``, ``1e-8``), hex float (``0x1.cp8``), ``inf`` or ``nan``."""
     t = text.strip()
+    short = t if len(t) <= 40 else t[:37] + "..."
     try:
-        return float.fromhex(t) if "0x" in t.lower() else float(t)
+        v = float.fromhex(t) if "0x" in t.lower() else float(t)
     except ValueError:
         raise ValueError(
-            f"cannot read {text!r} as a number; try e.g. 0.1, 1e-8, 0x1.cp8, inf, nan"
+            f"cannot read {short!r} as a number; try e.g. 0.1, 1e-8, 0x1.cp8, inf, nan"
         ) from None
+    except OverflowError:
+        raise ValueError(
+            f"{short!r} is beyond float64's range (max ~1.8e308); write inf for infinity"
+        ) from None
+    if math.isinf(v) and "inf" not in t.lower():
+        raise ValueError(
+            f"{short!r} is beyond float64's range (it would read as {v}); write inf for infinity"
+        )
+    return v
 
 
 def explain(

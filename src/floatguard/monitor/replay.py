@@ -62,6 +62,7 @@ _FILLS = (
 )  # fmt: skip
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_DEMO = os.path.join(_HERE, "demo")
 _TAG = "floatguard_module"
 _MAX_CANDIDATES = 256
 
@@ -119,7 +120,8 @@ class _Candidate:
 def _user_frame(frames: list[traceback.FrameSummary]) -> str | None:
     for fr in reversed(frames):
         path = os.path.abspath(fr.filename)
-        if path.startswith(_TORCH) or path.startswith(_HERE) or "<frozen" in fr.filename:
+        ours = path.startswith(_HERE) and not path.startswith(_DEMO)  # the demo is user code
+        if path.startswith(_TORCH) or ours or "<frozen" in fr.filename:
             continue
         line = (fr.line or "").strip()
         return f"{fr.filename}:{fr.lineno}: {line}"

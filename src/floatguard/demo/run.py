@@ -1,0 +1,236 @@
+"""The demo run: a tiny GPT learns a synthetic task while a fault schedule hits it.
+
+The task: sequences of an arithmetic progression mod 32 (random start and stride);
+after two tokens the next one is determined, so a model that learned it predicts
+positions 2.. almost perfectly (the accuracy printed). The faults, at fixed fractions
+of the run:
+
+- ``corrupt_batch``: a batch whose per-token loss weights hold a NaN (a corrupted
+  loss mask, as a broken data pipeline makes it);
+- ``bit_flip``: the exponent's top bit of one weight flips (a 0.02 becomes ~1e37);
+- ``masked_row``: a batch whose first token is padding, so with the causal mask its
+  row of attention sees no key at all (softmax of all -inf: NaN);
+- ``lr_spike``: the learning rate is 300x for one step, and the weights it writes
+  make the loss spike;
+- ``fp16_overflow``: one batch's loss is scaled 1e6 (a loss term that blows up), so
+  its scaled gradients overflow fp16.
+
+With the guard each one is found, localized and answered; without it (``guarded=
+False``: the usual GradScaler loop) the run dies of the first fault it cannot skip.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from floatguard.demo.model import GPT, GPTConfig, synthetic_batch
+from floatguard.events import EventLog
+from floatguard.guard import Guard, StepResult
+from floatguard.stability.respond import ResponsePolicy, SpikePolicy
+
+__all__ = ["DEMO", "FAULTS", "DemoResult", "run_demo"]
+
+DEMO = GPTConfig(vocab_size=32, block_size=24, n_layer=2, n_head=2, n_embd=64, attention="explicit")
+"""The demo's GPT: 2 layers, d=64, T=24, hand-written attention."""
+
+# fault -> fraction of the run at which it strikes
+FAULTS: dict[str, float] = {
+    "corrupt_batch": 0.15,
+    "bit_flip": 0.30,
+    "masked_row": 0.45,
+    "lr_spike": 0.60,
+    "fp16_overflow": 0.75,
+}
+Precision = Literal["fp32", "bf16", "fp16"]
+# where each fault is expected to be found (module, phase), for the demo's checks
+EXPECTED: dict[str, tuple[str, str]] = {
+    "corrupt_batch": ("", "input"),
+    "bit_flip": ("blocks.1.mlp.fc", "param"),
+    "masked_row": ("blocks.0.attn", "forward"),
+}
+
+
+@dataclass
+class DemoResult:
+    """What the demo run did: per step, the loss and what happened; the faults."""
+
+    guarded: bool
+    steps: int
+    schedule: dict[str, int]
+    accuracy: float
+    final_loss: float
+    finite: bool
+    died_at: int | None
+    seconds: float
+    events_path: Path | None
+    results: list[StepResult] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+def _flip_exponent_msb(w: torch.Tensor) -> tuple[int, float, float]:
+    """Flip bit 30 (the exponent's top bit) of the largest weight; (index, before, after)."""
+    flat = w.detach().view(-1)
+    i = int(flat.abs().argmax())
+    before = float(flat[i])
+    bits = struct.unpack("<I", struct.pack("<f", before))[0] ^ (1 << 30)
+    after = struct.unpack("<f", struct.pack("<I", bits))[0]
+    with torch.no_grad():
+        flat[i] = after
+    return i, before, after
+
+
+def _accuracy(model: GPT, cfg: GPTConfig, seed: int) -> float:
+    x, y = synthetic_batch(cfg, 256, generator=torch.Generator().manual_seed(seed + 12345))
+    with torch.no_grad():
+        pred = model(x).argmax(-1)
+    return float((pred[:, 2:] == y[:, 2:]).float().mean())
+
+
+def schedule_for(steps: int, faults: list[str]) -> dict[str, int]:
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        raise ValueError(f"unknown fault {unknown[0]!r}; known: {', '.join(FAULTS)}")
+    return {f: max(1, int(FAULTS[f] * steps)) for f in faults}
+
+
+def run_demo(
+    *,
+    steps: int = 400,
+    precision: Precision = "fp16",
+    faults: list[str] | None = None,
+    seed: int = 0,
+    guarded: bool = True,
+    log: str | Path | None = None,
+    on_step: Callable[[int, StepResult | None, float], None] | None = None,
+    on_event: Callable[[Any], None] | None = None,
+) -> DemoResult:
+    """Train the demo GPT for ``steps`` under the fault schedule; see the module."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 20:
+        raise ValueError(f"steps={steps!r} must be an int >= 20 (the schedule needs room)")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r}; use 'fp16', 'bf16' or 'fp32'")
+    schedule = schedule_for(steps, list(FAULTS) if faults is None else faults)
+    at = {v: k for k, v in schedule.items()}
+    cfg = DEMO
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    lr = 3e-3
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    guard = None
+    if guarded:
+        guard = Guard(
+            model, opt, precision=precision, log=log,
+            spikes=SpikePolicy(window=30, z=8.0, warmup=10),
+            response=ResponsePolicy(rollback_after=4),
+        )  # fmt: skip
+        if on_event is not None:
+            guard.events.subscribe(on_event)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16") if not guarded else None
+    plain_log = EventLog(log if not guarded else None, keep=0)  # the unguarded run's steps
+    result = DemoResult(guarded, steps, schedule, 0.0, math.nan, True, None, 0.0, None)
+    start = time.perf_counter()
+    for step in range(steps):
+        x, y = synthetic_batch(cfg, 16, generator=gen)
+        weights = torch.ones(y.shape)
+        pad: torch.Tensor | None = None
+        fault = at.get(step)
+        scale = 1.0
+        if fault == "corrupt_batch":
+            weights[3, 5] = math.nan
+        elif fault == "bit_flip":
+            fc = model.get_submodule("blocks.1.mlp.fc")
+            assert isinstance(fc, torch.nn.Linear)
+            _flip_exponent_msb(fc.weight)
+        elif fault == "masked_row":
+            pad = torch.zeros(y.shape, dtype=torch.bool)
+            pad[0, 0] = True  # token 0 of sequence 0 is padding: row 0 sees no key
+        elif fault == "lr_spike":
+            for g in opt.param_groups:
+                g["lr"] = lr * 300
+        elif fault == "fp16_overflow":
+            scale = 1e6
+
+        def closure(
+            x: torch.Tensor = x, y: torch.Tensor = y, w: torch.Tensor = weights,
+            pad: torch.Tensor | None = pad, scale: float = scale,
+        ) -> torch.Tensor:  # fmt: skip
+            logits = model(x, pad).float()
+            per_token = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1),
+                                        reduction="none")  # fmt: skip
+            return (per_token * w.reshape(-1)).sum() / w.sum() * scale
+
+        r: StepResult | None = None
+        if guard is not None:
+            r = guard.step(closure)
+            loss = r.loss
+            result.results.append(r)
+        else:
+            scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+            loss, norm = _plain_step(model, opt, scaler, closure, precision)
+            scale_after = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+            skipped = scale_after < scale_before  # GradScaler skipped an overflowing step
+            plain_log.emit(
+                "step", step, action="skipped" if skipped else "applied",
+                reason="overflow" if skipped else None, loss=loss, grad_norm=norm,
+                clip_coef=min(1.0, 1.0 / (norm + 1e-6)) if math.isfinite(norm) else 1.0,
+                scale=scale_before, lr_factor=1.0,
+            )  # fmt: skip
+        if fault == "lr_spike":
+            for g in opt.param_groups:
+                g["lr"] = lr
+        result.losses.append(loss)
+        if not guarded and result.died_at is None and not math.isfinite(loss):
+            if all(not math.isfinite(v) for v in result.losses[-1:]) and _dead(model):
+                result.died_at = step
+        if on_step is not None:
+            on_step(step, r, loss)
+    result.seconds = time.perf_counter() - start
+    result.finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    result.accuracy = _accuracy(model, cfg, seed) if result.finite else 0.0
+    tail = [v for v in result.losses[-20:] if math.isfinite(v)]
+    result.final_loss = sum(tail) / len(tail) if tail else math.nan
+    if guard is not None:
+        guard.close()
+    plain_log.close()
+    result.events_path = Path(log) if log is not None else None
+    return result
+
+
+def _dead(model: GPT) -> bool:
+    """A model no step can heal: a weight that is not finite (or past fp16's range)."""
+    return any(not bool((p.abs() <= 65504).all()) for p in model.parameters())
+
+
+def _plain_step(
+    model: GPT,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    closure: Callable[[], torch.Tensor],
+    precision: Precision,
+) -> tuple[float, float]:
+    """The usual loop: autocast, GradScaler (fp16), clip_grad_norm_, step; (loss, norm)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = closure()
+    opt.zero_grad(set_to_none=True)
+    if scaler is not None and scaler.is_enabled():
+        scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()  # type: ignore[no-untyped-call]
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return float(loss.detach()), float(norm)

@@ -1,0 +1,339 @@
+"""Diagnosis: rules over the event stream, each a finding with evidence, cause and fix.
+
+Each rule reads the events (``step``, ``fault``, ``overflow``, ``spike``, ``rollback``,
+``warning`` ...) and returns zero or more :class:`Finding`; :func:`diagnose` runs them
+all and ranks the findings (what stops a run first, then what costs it most). The
+rules are the common numerical bugs of deep-learning training (the lessons' table,
+`docs/lessons.md`): each tells its causes apart by the evidence where it can.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from floatguard.events import Event
+
+__all__ = ["Finding", "diagnose"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis: what was seen (``evidence``), why it likely happened, what to do."""
+
+    rule: str
+    title: str
+    evidence: str
+    cause: str
+    fix: str
+    severity: int  # 3: stops or corrupts a run; 2: costs steps; 1: worth a look
+    steps: tuple[int, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["steps"] = list(self.steps)
+        return d
+
+
+Rule = Callable[[list[Event]], list[Finding]]
+_RULES: list[Rule] = []
+
+
+def _rule(fn: Rule) -> Rule:
+    _RULES.append(fn)
+    return fn
+
+
+def _steps(events: list[Event]) -> list[Event]:
+    return [e for e in events if e.kind == "step"]
+
+
+def _faults(events: list[Event]) -> list[Event]:
+    return [e for e in events if e.kind == "fault"]
+
+
+def _where(e: Event) -> str:
+    return e["module"] or "<root>"
+
+
+@_rule
+def bad_input(events: list[Event]) -> list[Finding]:
+    hits = [e for e in _faults(events) if e["phase"] == "input"]
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    return [Finding(
+        "bad_input", "Non-finite values in the data",
+        f"{len(hits)} batch(es) carried NaN/inf into the step (steps {_list(steps)}); "
+        f"first at {hits[0]['source'] or hits[0]['tensor']}",
+        "the data pipeline produced them (a corrupted sample, a bad loss mask, a division "
+        "by zero in preprocessing); the model did nothing wrong",
+        "validate batches where they are made (torch.isfinite on inputs and loss weights); "
+        "the guard skipped each such batch without changing the LR or the loss scale",
+        2, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def bad_parameter(events: list[Event]) -> list[Finding]:
+    hits = [e for e in _faults(events) if e["phase"] == "param"]
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    spikes_before = [
+        e for e in events if e.kind in ("spike", "lr_backoff") and hits[0].step - 20 <= e.step
+        < hits[0].step
+    ]  # fmt: skip
+    if spikes_before:
+        cause = ("an optimizer step with too large an update (loss or gradient spikes came "
+                 "just before it): the learning rate is too high for this phase")  # fmt: skip
+        fix = "lower the peak LR or lengthen warmup; keep gradient clipping on"
+    else:
+        cause = (
+            "a weight changed between steps with no warning in the training signal: "
+            "memory corruption (a flipped bit) or a write from outside the optimizer"
+        )
+        fix = ("the guard rolled back to the last verified snapshot; if it recurs on one "
+               "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
+    names = sorted({f"{_where(e)}.{e['tensor']}" for e in hits})
+    return [Finding(
+        "bad_parameter", "A weight went non-finite (or past the format's range)",
+        f"{', '.join(names)} at step(s) {_list(steps)}", cause, fix, 3, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def masked_softmax(events: list[Event]) -> list[Finding]:
+    hits = [
+        e for e in _faults(events)
+        if e["kind_of_value"] == "nan" and "softmax" in (e["op"] or "")
+    ]  # fmt: skip
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    return [Finding(
+        "masked_softmax", "Softmax over a row with every entry masked",
+        f"NaN born in {_where(hits[0])} by {hits[0]['op']} at step(s) {_list(steps)}",
+        "an attention mask (causal combined with padding, say) left a query with no key to "
+        "look at: softmax of a row of -inf is 0/0",
+        "make sure every query sees at least one key (do not pad the first position), or "
+        "use a softmax that returns 0 for empty rows (floatguard.ops.softmax / "
+        "ops.attention, or F.scaled_dot_product_attention)",
+        2, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def exp_overflow(events: list[Event]) -> list[Finding]:
+    hits = [e for e in _faults(events) if (e["op"] or "").startswith("aten.exp")]
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    return [Finding(
+        "exp_overflow", "exp() overflowed",
+        f"inf born in {_where(hits[0])} by {hits[0]['op']} at {hits[0]['source']}",
+        "exp of raw logits: anything above ~88.7 (float32) or ~11.1 (fp16) is inf",
+        "subtract the maximum first (log-sum-exp trick): floatguard.ops.logsumexp / "
+        "softmax / cross_entropy, or torch's own fused ops",
+        2, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def norm_eps(events: list[Event]) -> list[Finding]:
+    hits = [
+        e for e in _faults(events)
+        if any(k in (e["op"] or "") for k in ("rsqrt", "native_layer_norm", "div"))
+        and any(k in e["module"].lower() for k in ("norm", "ln", "bn"))
+    ]  # fmt: skip
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    return [Finding(
+        "norm_eps", "A normalization divided by a vanishing variance",
+        f"{hits[0]['kind_of_value']} born in {_where(hits[0])} by {hits[0]['op']}",
+        "a (near-)constant input makes the variance 0; with a tiny eps (or one below the "
+        "format's smallest normal, as 1e-6 is in fp16) 1/sqrt(var + eps) overflows",
+        "use eps >= 1e-5 (1e-4 or more under fp16), or compute the statistics in float32 "
+        "(floatguard.ops.layer_norm / rms_norm)",
+        2, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def repeated_module(events: list[Event]) -> list[Finding]:
+    by = Counter((e["module"], e["phase"], e["op"]) for e in _faults(events)
+                 if e["phase"] not in ("input", "param"))  # fmt: skip
+    out = []
+    for (module, phase, op), n in by.items():
+        if n < 2:
+            continue
+        steps = tuple(e.step for e in _faults(events)
+                      if (e["module"], e["phase"], e["op"]) == (module, phase, op))  # fmt: skip
+        out.append(Finding(
+            "repeated_module", f"Repeated faults in {module or '<root>'}",
+            f"{n} faults born in {module or '<root>'} ({phase}, {op}) at steps {_list(steps)}",
+            "the same computation fails again and again: a bug or an unstable formulation in "
+            "that module, not bad luck",
+            "fix that module's numerics (read the op and line in the fault cards); skipping "
+            "or rolling back only postpones it",
+            3, steps,
+        ))  # fmt: skip
+    return out
+
+
+@_rule
+def scale_collapse(events: list[Event]) -> list[Finding]:
+    over = [e for e in events if e.kind == "overflow"]
+    if not over:
+        return []
+    last = over[-1]["scale_after"]
+    steps = tuple(e.step for e in over)
+    if last <= 1.0 or len(over) >= 20:
+        return [Finding(
+            "scale_collapse", "The fp16 loss scale collapsed",
+            f"{len(over)} overflow back-offs; the scale fell to {last:g}",
+            "the gradients overflow fp16 at any scale: a value in the backward pass grows past "
+            "65504 by itself (large activations, an unnormalized residual stream)",
+            "train in bf16 (same range as float32), or find the layer whose gradient overflows "
+            "(the guard localizes it once the scale cannot back off further)",
+            3, steps,
+        )]  # fmt: skip
+    return [Finding(
+        "fp16_overflow", "fp16 gradient overflows",
+        f"{len(over)} step(s) skipped with the loss scale backed off (steps {_list(steps)}); "
+        f"scale now {last:g}",
+        "scaled gradients above 65504: normal at the start of fp16 training, rare after",
+        "nothing to do if rare (the scale recovers); frequent ones: lower the LR or use bf16",
+        1, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def loss_spikes(events: list[Event]) -> list[Finding]:
+    spikes = [e for e in events if e.kind == "spike"]
+    if not spikes:
+        return []
+    steps = tuple(e.step for e in spikes)
+    rolled = [e for e in events if e.kind == "rollback" and e["cause"] is None]
+    return [Finding(
+        "loss_spikes", "Loss spikes",
+        f"{len(spikes)} spike(s) at steps {_list(steps)}"
+        + (f"; {len(rolled)} rollback(s) after them" if rolled else ""),
+        "an update too large for the curvature (LR too high, or a learning-rate schedule "
+        "jump), or an outlier batch",
+        "lower the peak LR or lengthen warmup; clip gradients (ZClip adapts the threshold); "
+        "look at the batches at those steps",
+        2, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def transients(events: list[Event]) -> list[Finding]:
+    hits = [e for e in _faults(events) if e["deterministic"] is False]
+    if len(hits) < 2:
+        return []
+    steps = tuple(e.step for e in hits)
+    return [Finding(
+        "transients", "Faults that do not reproduce",
+        f"{len(hits)} non-finite steps were clean when replayed (steps {_list(steps)})",
+        "nondeterminism outside the model's math: failing hardware (GPU memory, a bad "
+        "link), a race (asynchronous copies, a stream misuse) or a nondeterministic kernel",
+        "run the same steps on another device; enable CUDA_LAUNCH_BLOCKING=1 and "
+        "torch.use_deterministic_algorithms(True) to rule out races",
+        2, steps,
+    )]  # fmt: skip
+
+
+@_rule
+def loss_nan_unguarded(events: list[Event]) -> list[Finding]:
+    steps = _steps(events)
+    bad = [e for e in steps if not _finite(e["loss"])]
+    if not bad or _faults(events):
+        return []
+    first = bad[0].step
+    before = [
+        e["grad_norm"] for e in steps if first - 20 <= e.step < first and _finite(e["grad_norm"])
+    ]
+    growing = len(before) >= 4 and before[-1] > 10 * statistics.median(before[: len(before) // 2])
+    cause = (
+        "divergence: the gradient norm grew >10x over the steps before, so the updates "
+        "were too large (learning rate too high)"
+        if growing
+        else "a sudden overflow: the gradient norm was steady until then, so one value "
+        "(logits into exp, a residual sum, an fp16 activation) jumped past the range"
+    )
+    fix = (
+        "lower the LR, add warmup and clipping"
+        if growing
+        else "find the op with Guard.step(closure) (it replays the step) and stabilize it"
+    )
+    return [Finding(
+        "loss_nan", "The loss became NaN/inf", f"first at step {first} ({len(bad)} steps in all)",
+        cause, fix, 3, (first,),
+    )]  # fmt: skip
+
+
+@_rule
+def loss_stuck(events: list[Event]) -> list[Finding]:
+    losses = [e["loss"] for e in _steps(events)[-50:] if _finite(e["loss"])]
+    if len(losses) < 30:
+        return []
+    mean = statistics.fmean(losses)
+    spread = statistics.pstdev(losses)
+    n = round(math.exp(mean))
+    if n < 2 or spread > 0.01 * max(mean, 1e-9) or abs(mean - math.log(n)) > 0.005 * math.log(n):
+        return []
+    return [Finding(
+        "loss_stuck", f"The loss is stuck at ln({n})",
+        f"the last {len(losses)} losses average {mean:.4f} = ln({n}) (spread {spread:.2g})",
+        f"the model predicts the uniform distribution over {n} classes: the gradients do not "
+        "reach it (dead activations, zero gradients from underflow, a detached graph) or the "
+        "learning rate is 0",
+        "check the gradient norm per layer (Monitor(mode='stats')), the LR schedule, and that "
+        "the loss is computed from the model's output",
+        2, (),
+    )]  # fmt: skip
+
+
+@_rule
+def zero_grad_norm(events: list[Event]) -> list[Finding]:
+    zeros = [e for e in _steps(events) if e["grad_norm"] == 0.0]
+    if len(zeros) < 3:
+        return []
+    fp16 = any(e["scale"] not in (None, 1.0) for e in _steps(events))
+    cause = (
+        "fp16 gradients underflowed to zero (the loss scale is too small for them)"
+        if fp16
+        else "no gradient reaches the parameters: dead ReLUs, a detached graph, or a frozen model"
+    )
+    return [Finding(
+        "zero_grad", "The gradient norm is zero",
+        f"{len(zeros)} step(s) with a gradient norm of exactly 0 (first at {zeros[0].step})",
+        cause, "raise the loss scale (or use bf16)" if fp16 else
+        "check requires_grad, the graph, and the activations' dead fraction",
+        2, tuple(e.step for e in zeros[:20]),
+    )]  # fmt: skip
+
+
+def diagnose(events: Iterable[Event]) -> list[Finding]:
+    """Run every rule over ``events``; the findings, most severe first (then earliest)."""
+    evs = list(events)
+    found: list[Finding] = []
+    for rule in _RULES:
+        found.extend(rule(evs))
+    return sorted(found, key=lambda f: (-f.severity, f.steps[0] if f.steps else math.inf))
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _list(steps: Iterable[int], most: int = 8) -> str:
+    s = list(steps)
+    head = ", ".join(map(str, s[:most]))
+    return head + (f" and {len(s) - most} more" if len(s) > most else "")

@@ -1,0 +1,225 @@
+"""Render the report page and its plots from an event stream."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from floatguard.diagnose import Finding, diagnose
+from floatguard.events import Event, EventLog, read_events
+
+__all__ = ["Verdict", "render_report", "verdict_of"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``state``: "healthy", "recovered" or "died"; ``text``: one sentence."""
+
+    state: str
+    text: str
+    faults: int
+    steps: int
+
+
+def verdict_of(events: list[Event]) -> Verdict:
+    steps = [e for e in events if e.kind == "step"]
+    faults = [e for e in events if e.kind == "fault"]
+    stops = [e for e in events if e.kind == "stop"]
+    bad_tail = steps[-5:] and all(not _finite(e["loss"]) for e in steps[-5:])
+    if stops:
+        s = stops[-1]
+        why = f" ({s['fault']})" if s["fault"] else ""
+        text = f"Stopped at step {s.step}: {s['reason']}{why}"
+        return Verdict("died", text, len(faults), len(steps))
+    if bad_tail:
+        first = next(e.step for e in steps if not _finite(e["loss"]))
+        return Verdict(
+            "died", f"Died at step {first}: the loss stayed non-finite to the end",
+            len(faults), len(steps),
+        )  # fmt: skip
+    not_applied = sum(1 for e in steps if e["action"] != "applied")
+    if faults or not_applied:
+        return Verdict(
+            "recovered",
+            f"Recovered from {len(faults)} fault(s): {not_applied} of {len(steps)} steps "
+            "not applied (skipped or rolled back), the run ended healthy",
+            len(faults), len(steps),
+        )  # fmt: skip
+    return Verdict("healthy", f"Healthy: all {len(steps)} steps applied", 0, len(steps))
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _plots(events: list[Event], out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e for e in events if e.kind == "step"]
+    paths: dict[str, Path] = {}
+    if not steps:
+        return paths
+    xs = [e.step for e in steps]
+    loss = [e["loss"] if _finite(e["loss"]) else math.nan for e in steps]
+    norm = [e["grad_norm"] if _finite(e["grad_norm"]) else math.nan for e in steps]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    ax1.plot(xs, loss, lw=1, color="#1f77b4", label="loss")
+    ax2.plot(xs, norm, lw=1, color="#2ca02c", label="gradient norm (before clipping)")
+    marks = {
+        "skipped": ("x", "#ff7f0e"), "rolled_back": ("v", "#d62728"),
+    }  # fmt: skip
+    finite_loss = [v for v in loss if not math.isnan(v)]
+    top = max(finite_loss) if finite_loss else 1.0
+    for action, (marker, color) in marks.items():
+        pts = [(e.step, e["reason"]) for e in steps if e["action"] == action]
+        if pts:
+            ax1.scatter([p for p, _ in pts], [top] * len(pts), marker=marker, color=color,
+                        label=f"{action.replace('_', ' ')} ({len(pts)})", zorder=3)  # fmt: skip
+    fsteps = [e.step for e in events if e.kind == "fault"]
+    for s in fsteps:
+        ax1.axvline(s, color="#d62728", alpha=0.25, lw=1)
+    clipped = [e.step for e in steps if _finite(e["clip_coef"]) and e["clip_coef"] < 1.0]
+    if clipped:
+        ax2.scatter(clipped, [norm[xs.index(s)] for s in clipped], s=6, color="#9467bd",
+                    label=f"clipped ({len(clipped)})", zorder=3)  # fmt: skip
+    ax1.set_yscale("log")
+    ax2.set_yscale("log")
+    ax1.set_ylabel("loss (log scale)")
+    ax2.set_ylabel("gradient norm (log scale)")
+    ax2.set_xlabel("step")
+    ax1.set_title("Loss and gradient norm; red lines: faults")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    paths["timeline"] = out / "timeline.png"
+    fig.savefig(paths["timeline"], dpi=90)
+    plt.close(fig)
+    scales = [e["scale"] for e in steps]
+    if any(_finite(s) and s != 1.0 for s in scales):
+        fig, ax = plt.subplots(figsize=(10, 2.8))
+        ax.step(xs, [math.log2(s) if _finite(s) and s > 0 else math.nan for s in scales],
+                where="post", color="#8c564b")  # fmt: skip
+        ax.set_xlabel("step")
+        ax.set_ylabel("log2(loss scale)")
+        ax.set_title("fp16 loss scale")
+        fig.tight_layout()
+        paths["scale"] = out / "scale.png"
+        fig.savefig(paths["scale"], dpi=90)
+        plt.close(fig)
+    return paths
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1000px;margin:2em auto;
+color:#222;padding:0 1em} h1{font-size:1.6em} h2{margin-top:1.6em;border-bottom:1px solid #ddd}
+.verdict{padding:.8em 1em;border-radius:6px;font-size:1.15em}
+.healthy{background:#e6f4ea}.recovered{background:#fff4e0}.died{background:#fde8e8}
+.card{border:1px solid #ddd;border-radius:6px;padding:.6em 1em;margin:.6em 0}
+.card code,td code{background:#f4f4f4;padding:0 .2em} table{border-collapse:collapse}
+td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left;font-size:.92em}
+img{max-width:100%} .sev3{border-left:5px solid #d62728}.sev2{border-left:5px solid #ff7f0e}
+.sev1{border-left:5px solid #999} .muted{color:#666;font-size:.9em}
+"""
+
+
+def _e(v: object) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{_e(alt)}">'
+
+
+def _fault_cards(events: list[Event]) -> str:
+    faults = [e for e in events if e.kind == "fault"]
+    if not faults:
+        return "<p>No fault.</p>"
+    actions = {e.step: (e["action"], e["reason"]) for e in events if e.kind == "step"}
+    out = []
+    for f in faults:
+        action, reason = actions.get(f.step, ("?", None))
+        det = {True: "deterministic (the replay reproduced it)",
+               False: "transient (the replay was clean)", None: "not replayed"}.get(
+            f["deterministic"], "?")  # fmt: skip
+        out.append(
+            f'<div class="card"><b>step {f.step}</b>: {_e(f["kind_of_value"])} born in '
+            f"<code>{_e(f['module'] or '<root>')}</code> ({_e(f['phase'])}, "
+            f"<code>{_e(f['tensor'])}</code>)<br>op: <code>{_e(f['op'] or '-')}</code>; "
+            f"line: <code>{_e(f['source'] or '-')}</code><br>shape {_e(f['shape'])}; {det}"
+            f"<br>the guard: <b>{_e(action)}</b> ({_e(reason)})</div>"
+        )
+    return "\n".join(out)
+
+
+def _findings(found: list[Finding]) -> str:
+    if not found:
+        return "<p>Nothing to report.</p>"
+    return "\n".join(
+        f'<div class="card sev{f.severity}"><b>{_e(f.title)}</b><br>'
+        f"<b>evidence</b>: {_e(f.evidence)}<br><b>likely cause</b>: {_e(f.cause)}<br>"
+        f"<b>fix</b>: {_e(f.fix)}</div>"
+        for f in found
+    )
+
+
+def render_report(
+    source: str | os.PathLike[str] | Iterable[Event],
+    out_dir: str | os.PathLike[str],
+    *,
+    title: str = "floatguard run report",
+) -> Path:
+    """Write the report of ``source`` (a JSONL path, or events) into ``out_dir``; the
+    path of ``index.html``. Raises OSError (with the folder named) when it cannot write."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    if isinstance(source, (str, os.PathLike)):
+        events = list(read_events(source, errors=problems))
+        origin = str(source)
+    else:
+        events = list(source)
+        origin = "events"
+        log = EventLog(out / "events.jsonl", keep=0)
+        for e in events:
+            log.emit(e.kind, e.step, **e.fields)
+        log.close()
+    verdict = verdict_of(events)
+    found = diagnose(events)
+    plots = _plots(events, out)
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.kind] = counts.get(e.kind, 0) + 1
+    rows = "".join(f"<tr><td>{_e(k)}</td><td>{v}</td></tr>" for k, v in sorted(counts.items()))
+    problem_html = (
+        "<h2>Unreadable lines</h2><ul>" + "".join(f"<li>{_e(p)}</li>" for p in problems) + "</ul>"
+        if problems else ""
+    )  # fmt: skip
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1><p class='muted'>from {_e(origin)}</p>",
+        f"<div class='verdict {verdict.state}'>{_e(verdict.text)}</div>",
+        "<h2>Timeline</h2>",
+        _img(plots["timeline"], "loss and gradient norm over steps") if "timeline" in plots
+        else "<p>No step events.</p>",
+        _img(plots["scale"], "loss scale over steps") if "scale" in plots else "",
+        f"<h2>Faults ({verdict.faults})</h2>",
+        _fault_cards(events),
+        f"<h2>Diagnosis ({len(found)})</h2>",
+        _findings(found),
+        "<h2>Events</h2><table><tr><th>kind</th><th>count</th></tr>" + rows + "</table>",
+        problem_html,
+        "</body></html>",
+    ]  # fmt: skip
+    index = out / "index.html"
+    index.write_text("\n".join(parts), encoding="utf-8")
+    return index
