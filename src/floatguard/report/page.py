@@ -218,6 +218,10 @@ def render_report(
         _findings(found),
         "<h2>Events</h2><table><tr><th>kind</th><th>count</th></tr>" + rows + "</table>",
         problem_html,
+        # For a browser check: how many images decoded, once the page has loaded.
+        "<script>window.addEventListener('load',function(){var i=[].slice.call("
+        "document.images);document.body.setAttribute('data-images',i.filter(function(x)"
+        "{return x.complete&&x.naturalWidth>0}).length+'/'+i.length)})</script>",
         "</body></html>",
     ]  # fmt: skip
     index = out / "index.html"
