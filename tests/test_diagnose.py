@@ -1,0 +1,126 @@
+"""Each diagnosis rule on a crafted event stream: the finding, its evidence, and the
+cases it must tell apart."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from floatguard.diagnose import diagnose
+from floatguard.events import EVENT_FIELDS, Event
+
+
+def ev(kind: str, step: int, **fields: object) -> Event:
+    base: dict[str, object] = dict.fromkeys(EVENT_FIELDS[kind], None)
+    base.update(fields)
+    return Event(kind, step, base)
+
+
+def steps(losses: list[float], norms: list[float] | None = None, scale: float = 1.0) -> list[Event]:
+    norms = norms or [1.0] * len(losses)
+    return [
+        ev("step", i, action="applied", loss=v, grad_norm=g, clip_coef=1.0, scale=scale,
+           lr_factor=1.0)
+        for i, (v, g) in enumerate(zip(losses, norms, strict=True))
+    ]  # fmt: skip
+
+
+def fault(step: int, **kw: object) -> Event:
+    d: dict[str, object] = {"phase": "forward", "module": "m", "tensor": "output",
+                            "kind_of_value": "nan", "shape": [1], "op": "aten.add.Tensor",
+                            "source": "x.py:1", "deterministic": True}  # fmt: skip
+    d.update(kw)
+    return ev("fault", step, **d)
+
+
+def rules(events: list[Event]) -> list[str]:
+    return [f.rule for f in diagnose(events)]
+
+
+def test_a_healthy_run_has_no_finding() -> None:
+    assert diagnose(steps([2.0 - i * 0.01 for i in range(100)])) == []
+
+
+def test_bad_input_and_bad_parameter_causes_told_apart() -> None:
+    base = steps([1.0] * 40)
+    evs = [*base, fault(10, phase="input", module="", tensor="input[0]")]
+    assert rules(evs) == ["bad_input"]
+    lone = [*base, fault(30, phase="param", module="fc", tensor="param:weight", op="parameter")]
+    f = diagnose(lone)[0]
+    assert f.rule == "bad_parameter" and "memory corruption" in f.cause
+    after_spikes = [*lone, ev("spike", 25, signal="loss", value=9.0)]
+    f = next(f for f in diagnose(after_spikes) if f.rule == "bad_parameter")
+    assert "learning rate is too high" in f.cause
+
+
+@pytest.mark.parametrize(
+    ("op", "module", "rule"),
+    [
+        ("aten._softmax.default", "attn", "masked_softmax"),
+        ("aten.exp.default", "head", "exp_overflow"),
+        ("aten.rsqrt.default", "blocks.0.ln1", "norm_eps"),
+    ],
+)
+def test_op_specific_rules(op: str, module: str, rule: str) -> None:
+    kind = "inf" if rule == "exp_overflow" else "nan"
+    found = rules([*steps([1.0] * 5), fault(3, op=op, module=module, kind_of_value=kind)])
+    assert rule in found
+
+
+def test_repeated_faults_in_one_module() -> None:
+    evs = [*steps([1.0] * 30), fault(5, module="mlp"), fault(9, module="mlp"), fault(12)]
+    f = diagnose(evs)[0]
+    assert f.rule == "repeated_module" and f.steps == (5, 9) and f.severity == 3
+
+
+def test_loss_scale_rare_overflows_versus_collapse() -> None:
+    rare = [*steps([1.0] * 20, scale=65536.0),
+            ev("overflow", 4, scale_before=65536.0, scale_after=32768.0)]  # fmt: skip
+    assert rules(rare) == ["fp16_overflow"]
+    collapse = [*steps([1.0] * 30, scale=65536.0)] + [
+        ev("overflow", i, scale_before=2.0 ** (16 - i), scale_after=2.0 ** (15 - i))
+        for i in range(16)
+    ]
+    f = diagnose(collapse)[0]
+    assert f.rule == "scale_collapse" and "bf16" in f.fix
+
+
+def test_loss_nan_divergence_versus_sudden_overflow() -> None:
+    growing = steps([1.0] * 30 + [math.nan] * 5, [1.0] * 20 + [3.0 ** (i / 2) for i in range(10)]
+                    + [math.nan] * 5)  # fmt: skip
+    f = diagnose(growing)[0]
+    assert f.rule == "loss_nan" and "divergence" in f.cause and f.steps == (30,)
+    sudden = steps([1.0] * 30 + [math.nan] * 5, [1.0] * 30 + [math.nan] * 5)
+    f = diagnose(sudden)[0]
+    assert f.rule == "loss_nan" and "sudden overflow" in f.cause
+
+
+def test_loss_stuck_at_ln_num_classes() -> None:
+    f = diagnose(steps([math.log(10) + 1e-4 * (i % 3) for i in range(60)]))
+    assert [x.rule for x in f] == ["loss_stuck"] and "ln(10)" in f[0].title
+    assert diagnose(steps([2.0 + 0.3 * math.sin(i) for i in range(60)])) == []
+
+
+def test_zero_gradients_underflow_versus_dead_units() -> None:
+    fp16 = steps([1.0] * 10, [0.0] * 5 + [1.0] * 5, scale=65536.0)
+    assert "underflowed" in diagnose(fp16)[0].cause
+    fp32 = steps([1.0] * 10, [0.0] * 5 + [1.0] * 5)
+    assert "dead ReLUs" in diagnose(fp32)[0].cause
+
+
+def test_transient_faults_cluster_and_loss_spikes() -> None:
+    evs = [*steps([1.0] * 20), fault(3, deterministic=False), fault(8, deterministic=False)]
+    assert "transients" in rules(evs)
+    spikes = [*steps([1.0] * 20), ev("spike", 7, signal="loss", value=50.0)]
+    assert rules(spikes) == ["loss_spikes"]
+
+
+def test_findings_are_ranked_most_severe_first() -> None:
+    evs = [*steps([1.0] * 40, scale=65536.0),
+           ev("overflow", 2, scale_before=65536.0, scale_after=32768.0),
+           fault(30, phase="param", module="fc", tensor="param:weight", op="parameter"),
+           fault(10, phase="input", module="", tensor="input[0]")]  # fmt: skip
+    assert rules(evs) == ["bad_parameter", "bad_input", "fp16_overflow"]
+    d = diagnose(evs)[0].to_dict()
+    assert d["steps"] == [30] and set(d) >= {"rule", "title", "evidence", "cause", "fix"}
