@@ -131,6 +131,11 @@ def test_the_report_escapes_and_survives_a_broken_log(tmp_path: Path) -> None:
         (["explain", "1e-8", "--format"], "requires an argument"),
         (["explain", "0x1p99999", "-f", "fp16"], "beyond float64's range"),
         (["explain", "1e400"], "it would read as inf"),
+        (["audit", "junk"], "give package.module:function"),
+        (["audit", "nosuch.mod:fn"], "cannot import it"),
+        (["audit", "json:dumps"], "raised TypeError"),
+        (["audit", "math:pi"], "is not a function"),
+        (["audit", "os:getcwd"], "must return (model, batches)"),
     ],
 )
 def test_cli_mistakes_are_one_red_line_and_exit_2(args: list[str], message: str) -> None:
@@ -157,3 +162,21 @@ def test_cli_negative_values_and_a_malformed_log(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2 and "holds no readable event" in proc.stderr
     assert "bad.jsonl:1" in proc.stderr
+
+
+def test_cli_audit_of_the_built_in_target(tmp_path: Path) -> None:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "floatguard.cli", "audit", "tiny-gpt", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # strict JSON
+    assert [la["layer"] for la in report["layers"]][-1] == "head"
+    proc = subprocess.run(
+        [sys.executable, "-m", "floatguard.cli", "audit", "tiny-gpt", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and (tmp_path / "audit.html").exists()
+    assert "blocks.0.attn.qkv" in (tmp_path / "audit.html").read_text()

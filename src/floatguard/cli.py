@@ -294,6 +294,117 @@ def diagnose_cmd(
     _print_findings(found)
 
 
+def _load_target(target: str) -> tuple[Any, list[Any], Any]:
+    """(model, batches, loss_fn) of an audit TARGET: a built-in name or module:function."""
+    import importlib
+
+    import torch
+    import torch.nn.functional as F
+
+    if target == "tiny-gpt":
+        from floatguard.demo import GPT, TINY, synthetic_batch
+
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        batches = [synthetic_batch(TINY, 16, generator=gen) for _ in range(4)]
+
+        def lm(model: Any, batch: Any) -> Any:
+            return F.cross_entropy(
+                model(batch[0]).reshape(-1, TINY.vocab_size), batch[1].reshape(-1)
+            )
+
+        return GPT(TINY), batches, lm
+    mod_name, sep, fn_name = target.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise _fail(f"TARGET {target!r}: give package.module:function or a built-in (tiny-gpt)")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise _fail(f"TARGET {target!r}: cannot import it ({e})") from None
+    if not callable(fn):
+        raise _fail(f"TARGET {target!r} is not a function")
+    try:
+        got = fn()
+    except Exception as e:  # the user's function failed: say so in one line
+        raise _fail(f"TARGET {target!r} raised {type(e).__name__}: {e}") from None
+    if not isinstance(got, tuple) or len(got) not in (2, 3):
+        raise _fail(f"TARGET {target!r} must return (model, batches) or (model, batches, loss_fn)")
+    model, batches = got[0], list(got[1])
+    return model, batches, got[2] if len(got) == 3 else None
+
+
+@app.command(name="audit")
+def audit_cmd(
+    target: Annotated[
+        str,
+        typer.Argument(help="package.module:function -> (model, batches[, loss_fn]), or tiny-gpt."),
+    ],
+    out: Annotated[Path, typer.Option(help="Folder for audit.html.")] = Path("floatguard-audit"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Precision-readiness audit: per layer, what each format and FP8 recipe would lose."""
+    from floatguard.audit import audit
+
+    model, batches, loss_fn = _load_target(target)
+    try:
+        report = audit(model, batches, loss_fn=loss_fn)
+    except (ValueError, TypeError) as e:
+        raise _fail(f"TARGET {target!r}: {e}") from None
+    if as_json:
+        from floatguard.events import encode_value
+
+        print(json.dumps(encode_value(report.to_dict()), allow_nan=False))
+        return
+    table = Table(title=f"Precision readiness of {target} (SQNR dB / underflow fraction)")
+    keys = ["format:bf16", "format:fp16", "format:e4m3fn", "recipe:e4m3 block 1x128"]
+    for col in ("layer", "tensor", "amax", *[k.split(":", 1)[1] for k in keys]):
+        table.add_column(col, justify="left" if col in ("layer", "tensor") else "right")
+    rows_html = []
+    for la in report.layers:
+        for kind, res in la.results.items():
+            cells = [
+                f"{res[k]['sqnr_db']:.1f} / {res[k]['underflow']:.2g}" for k in keys if k in res
+            ]
+            table.add_row(la.layer, kind, _num(res["amax"]), *cells)
+            rows_html.append((la.layer, kind, _num(res["amax"]), cells))
+    _out.print(table)
+    for la in report.layers:
+        _out.print(f"- {escape(la.layer)}: {escape('; '.join(la.recommendation))}", markup=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "audit.html"
+        path.write_text(_audit_html(target, keys, rows_html, report), encoding="utf-8")
+    except OSError as e:
+        raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
+    _out.print(f"audit: {path}")
+
+
+def _audit_html(target: str, keys: list[str], rows: list[Any], report: Any) -> str:
+    import html
+
+    e = html.escape
+    head = "".join(f"<th>{e(k.split(':', 1)[1])}</th>" for k in keys)
+    body = "".join(
+        f"<tr><td>{e(a)}</td><td>{e(b)}</td><td>{e(c)}</td>"
+        + "".join(f"<td>{e(x)}</td>" for x in cells) + "</tr>"
+        for a, b, c, cells in rows
+    )  # fmt: skip
+    recs = "".join(
+        f"<li><code>{e(la.layer)}</code>: {e('; '.join(la.recommendation))}</li>"
+        for la in report.layers
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>floatguard audit</title>"
+        "<style>body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto}"
+        "td,th{border:1px solid #ddd;padding:.25em .5em}table{border-collapse:collapse}"
+        "</style></head><body>"
+        f"<h1>Precision readiness: {e(target)}</h1><p>SQNR (dB) / fraction of non-zero "
+        "values flushed to zero, unscaled casts and the 1x128 FP8 recipe</p>"
+        f"<table><tr><th>layer</th><th>tensor</th><th>amax</th>{head}</tr>{body}</table>"
+        f"<h2>Recommendations</h2><ul>{recs}</ul></body></html>"
+    )
+
+
 def _click_exceptions() -> Any:
     import importlib
 
@@ -313,7 +424,7 @@ def main() -> None:
     except cx.UsageError as e:
         first = e.format_message().strip().splitlines()[-1].rstrip(".")
         rc = _fail(f"{first}; see --help").exit_code
-    except cx.Abort:
+    except getattr(cx, "Abort", KeyboardInterrupt):
         rc = _fail("aborted").exit_code
     except (typer.Exit, cx.Exit) as e:
         rc = e.exit_code
