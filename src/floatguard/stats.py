@@ -342,7 +342,7 @@ def audit_tensor_numerics(
     target_fp_max: float = 448.0,
     underflow_thresh: float = 1e-4,
 ) -> dict[str, Any]:
-    """The lessons' audit: per layer NaN/Inf, underflow ratio and a safe scale.
+    """The lessons' (docs/lessons.md) audit: per layer NaN/Inf, underflow ratio and a safe scale.
 
     ``layers_data`` maps layer names (in execution order) to torch tensors or
     numpy arrays. Returns ``{"first_nan_layer": name | None, "layer_reports":

@@ -64,7 +64,7 @@ class Fault:
 
 @dataclass(frozen=True)
 class Alert:
-    """The lessons' per-module health alert for one non-finite tensor."""
+    """The lessons' (docs/lessons.md) per-module health alert for one non-finite tensor."""
 
     step: int
     phase: str

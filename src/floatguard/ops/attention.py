@@ -8,7 +8,7 @@ The backward pass recomputes each block from the saved per-row log-sum-exp
 (Algorithm 2), so memory is ``O(N * block_size)`` in both passes, never
 ``O(N^2)``.
 
-Where the lessons' sketch breaks, this does not: the last block may be partial,
+Where the lessons' (docs/lessons.md) sketch breaks, this does not: the last block may be partial,
 and a row whose keys are all masked gets output 0 and log-sum-exp ``-inf`` (its
 gradient is 0), where the naive version computes ``exp(-inf - (-inf)) = NaN``.
 """

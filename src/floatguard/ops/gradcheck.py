@@ -1,4 +1,4 @@
-"""Numerical gradient checking in float64 with the lessons' verdicts."""
+"""Numerical gradient checking in float64 with the lessons' (docs/lessons.md) verdicts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""layer_norm and rms_norm with float32 statistics and a per-dtype default eps."""
+"""layer_norm and rms_norm with float32 statistics and a per-dtype default eps.
+
+The lessons referred to here: docs/lessons.md.
+"""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ class LogSumExp:
     overflows. ``absorb`` folds in a block of values along a dim, ``merge``
     combines two states (over chunks, over time, across ranks: all-gather the
     two tensors and merge), and merging is associative up to rounding. The empty
-    state is ``(-inf, 0)``; merging with it is the identity (the lesson's online
+    state is ``(-inf, 0)``; merging with it is the identity (the lesson's (docs/lessons.md) online
     softmax computes ``exp(-inf - (-inf)) = NaN`` there; this does not).
     States hold float32 for half inputs. All operations are differentiable.
     """

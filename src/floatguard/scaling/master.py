@@ -1,4 +1,7 @@
-"""FP32 master weights for a model stored in fp16/bf16, done right."""
+"""FP32 master weights for a model stored in fp16/bf16, done right.
+
+The lessons referred to here: docs/lessons.md.
+"""
 
 from __future__ import annotations
 

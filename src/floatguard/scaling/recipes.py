@@ -18,7 +18,7 @@ Formats and recipes (references in the docstrings):
 ``Tensorwise``, ``Rowwise``, ``Delayed`` (+ ``DelayedScaler``), ``Block``
 (1x128 / 128x128, DeepSeek-V3), ``MX`` (32-element blocks, E8M0 scales; floor,
 ceil, even, rceil), ``NVFP4`` (16-element e2m1 blocks, e4m3 block scales, fp32
-tensor scale), ``EMAScaler`` (the lessons' dynamic scaler, with a real FP8 cast).
+tensor scale), ``EMAScaler`` (the lessons' (docs/lessons.md) dynamic scaler, with a real FP8 cast).
 """
 
 from __future__ import annotations

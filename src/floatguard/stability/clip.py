@@ -1,4 +1,7 @@
-"""Gradient clipping that never hides a non-finite gradient, and ZClip done sync-free."""
+"""Gradient clipping that never hides a non-finite gradient, and ZClip done sync-free.
+
+The lessons referred to here: docs/lessons.md.
+"""
 
 from __future__ import annotations
 

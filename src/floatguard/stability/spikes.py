@@ -1,4 +1,7 @@
-"""Spike detectors for the loss and the gradient norm (host floats, after the guard's one read)."""
+"""Spike detectors for the loss and the gradient norm (host floats, after the guard's one read).
+
+The lessons referred to here: docs/lessons.md.
+"""
 
 from __future__ import annotations
 
