@@ -58,7 +58,7 @@ def test_the_report_renders_everything(guarded: tuple[object, Path]) -> None:
     index = render_report(out / "events.jsonl", out)
     page = index.read_text()
     assert "Recovered from 3 fault(s)" in page
-    assert page.count("data:image/png;base64,") == 2
+    assert page.count("data:image/png;base64,") == 4  # timeline, scale, heatmap, histograms
     assert (out / "timeline.png").stat().st_size > 10_000
     assert "blocks.1.mlp.fc" in page and "aten._softmax.default" in page
     assert "Softmax over a row with every entry masked" in page
@@ -93,7 +93,7 @@ def test_the_report_loads_in_headless_chromium(guarded: tuple[object, Path]) -> 
             capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
     assert shot.stat().st_size > 20_000  # a page with plots, not a blank one
-    assert 'data-images="2/2"' in dom.stdout  # every image decoded
+    assert 'data-images="4/4"' in dom.stdout  # every image decoded
     console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line]
     assert not [c for c in console if "rror" in c or "Uncaught" in c], console
 

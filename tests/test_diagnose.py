@@ -124,3 +124,17 @@ def test_findings_are_ranked_most_severe_first() -> None:
     assert rules(evs) == ["bad_parameter", "bad_input", "fp16_overflow"]
     d = diagnose(evs)[0].to_dict()
     assert d["steps"] == [30] and set(d) >= {"rule", "title", "evidence", "cause", "fix"}
+
+
+def test_gradient_underflow_from_the_sampled_statistics() -> None:
+    tensors = [
+        {"module": "fc", "role": "param:weight.grad", "formats": {"fp16": {"underflow": 0.25}}},
+        {"module": "fc", "role": "output[0]", "formats": {"fp16": {"underflow": 0.9}}},
+    ]
+    plain = [*steps([1.0] * 10), ev("stats", 5, tensors=tensors)]
+    f = diagnose(plain)[0]
+    assert f.rule == "gradient_underflow" and "25.0%" in f.evidence and f.severity == 2
+    scaled = [*steps([1.0] * 10, scale=65536.0), ev("stats", 5, tensors=tensors)]
+    assert diagnose(scaled)[0].severity == 1
+    tensors[0]["formats"]["fp16"]["underflow"] = 0.001  # type: ignore[index]
+    assert diagnose([*steps([1.0] * 10), ev("stats", 5, tensors=tensors)]) == []

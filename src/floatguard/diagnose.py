@@ -320,6 +320,43 @@ def zero_grad_norm(events: list[Event]) -> list[Finding]:
     )]  # fmt: skip
 
 
+@_rule
+def gradient_underflow(events: list[Event]) -> list[Finding]:
+    """Gradients that fp16 flushes to zero, measured on the sampled steps' statistics."""
+    samples = [e for e in events if e.kind == "stats"]
+    worst: dict[str, float] = {}
+    for e in samples:
+        for t in e["tensors"]:
+            if "grad" not in t["role"]:
+                continue
+            u = t["formats"].get("fp16", {}).get("underflow")
+            if _finite(u) and u > worst.get(f"{t['module']}.{t['role']}", 0.0):
+                worst[f"{t['module']}.{t['role']}"] = u
+    bad = {k: v for k, v in worst.items() if v >= 0.01}
+    if not bad:
+        return []
+    scaled = any(_finite(e["scale"]) and e["scale"] > 1.0 for e in _steps(events))
+    top = sorted(bad.items(), key=lambda kv: -kv[1])[:3]
+    evidence = ", ".join(f"{k}: {v:.1%}" for k, v in top)
+    if scaled:
+        return [Finding(
+            "gradient_underflow", "Some gradients are below fp16's range even unscaled",
+            f"fraction that would flush to zero in fp16, unscaled: {evidence} (the run uses "
+            "a loss scale, which lifts them)",
+            "small gradients, as usual: the loss scale is what keeps them", "nothing to do "
+            "while the loss scale stays high; if it collapses, use bf16",
+            1, (),
+        )]  # fmt: skip
+    return [Finding(
+        "gradient_underflow", "Gradients flush to zero in fp16 (no loss scaling)",
+        f"fraction that flushes to zero in fp16: {evidence}",
+        "fp16's smallest subnormal is 2^-24 (6e-8): smaller gradients become 0 and those "
+        "weights stop learning; accuracy is lost silently",
+        "use dynamic loss scaling (Guard(precision='fp16') does), or bf16",
+        2, (),
+    )]  # fmt: skip
+
+
 def diagnose(events: Iterable[Event]) -> list[Finding]:
     """Run every rule over ``events``; the findings, most severe first (then earliest)."""
     evs = list(events)

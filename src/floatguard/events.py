@@ -59,6 +59,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "snapshot_fallback": ("bad", "error", "used"),
         "resume": ("from_step", "path"),
         "warning": ("transients", "message"),
+        "stats": ("tensors",),
         "stop": ("reason", "fault"),
     }.items()
 }  # fmt: skip

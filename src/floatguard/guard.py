@@ -163,6 +163,10 @@ class Guard:
             :class:`Monitor` attached (for the three-call loop without a closure; it
             costs hooks on every step, and it ignores no-grad forwards). ``"off"``:
             check the parameters on a bad step, nothing else.
+        stats_every: every that many steps, record per-layer statistics (amax, the
+            fractions fp16/bf16/e4m3/e5m2 would lose, exponent histograms) with a
+            sampling :class:`Monitor` (hooks on those steps only) and write them as a
+            ``stats`` event (for the report's heatmaps and histograms). Default: off.
         log: a JSONL path for the event stream (events are kept in memory too).
         distributed: all-reduce the step's decision numbers over ``process_group`` so
             every rank skips, applies or rolls back together (default: when
@@ -195,6 +199,7 @@ class Guard:
         response: ResponsePolicy | None = None,
         scaler: DynamicLossScaler | None = None,
         watch: Watch = "replay",
+        stats_every: int | None = None,
         log: str | os.PathLike[str] | None = None,
         distributed: bool | None = None,
         process_group: Any = None,
@@ -229,6 +234,15 @@ class Guard:
         # The guard starts the monitor's steps itself, so records of every micro-batch
         # of an accumulated step are there when the step is decided.
         self.monitor = Monitor(model, auto_step=False).attach() if watch == "hooks" else None
+        if stats_every is not None and (
+            isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 2
+        ):
+            raise ValueError(f"stats_every={stats_every!r} must be an int >= 2 or None")
+        self.stats_monitor = (
+            Monitor(model, mode="stats", every=stats_every, auto_step=False).attach()
+            if stats_every is not None
+            else None
+        )
         self.events = EventLog(log, rank=self._rank())
         self.step_count = 0
         self.good_steps = 0
@@ -601,7 +615,7 @@ class Guard:
             elif response == "ladder":
                 self.consecutive_bad += 1
                 action = self._escalate(step, fault)
-        self._end_step()
+        self._end_step(step)
         result = StepResult(
             step, action, reason, read.loss, read.grad_norm, scale, read.clip_coef,
             self.lr_factor, fault,
@@ -652,6 +666,8 @@ class Guard:
             self.scaler.skip_step()
         if self.monitor is not None:
             self.monitor.reset()
+        if self.stats_monitor is not None:
+            self.stats_monitor.reset()
 
     def _undo(self) -> None:
         """A step not applied leaves no trace in the buffers it changed."""
@@ -677,7 +693,12 @@ class Guard:
                 ),
             )  # fmt: skip
 
-    def _end_step(self) -> None:
+    def _end_step(self, step: int) -> None:
+        if self.stats_monitor is not None:
+            summary = self.stats_monitor.stats_summary()  # empty on unsampled steps
+            if summary:
+                self.events.emit("stats", step, tensors=summary)
+            self.stats_monitor.next_step()
         self.optimizer.zero_grad(set_to_none=True)
         self._losses = []
         if self.monitor is not None:
@@ -890,9 +911,11 @@ class Guard:
         return "rolled_back"
 
     def close(self) -> None:
-        """Detach the monitor (watch="hooks") and close the event log."""
+        """Detach the monitors (watch="hooks", stats_every) and close the event log."""
         if self.monitor is not None:
             self.monitor.detach()
+        if self.stats_monitor is not None:
+            self.stats_monitor.detach()
         self.events.close()
 
     def __enter__(self) -> Guard:

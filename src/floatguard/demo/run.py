@@ -132,6 +132,7 @@ def run_demo(
             model, opt, precision=precision, log=log,
             spikes=SpikePolicy(window=30, z=8.0, warmup=10),
             response=ResponsePolicy(rollback_after=4),
+            stats_every=max(2, steps // 20),  # per-layer statistics on 20 steps of the run
         )  # fmt: skip
         if on_event is not None:
             guard.events.subscribe(on_event)

@@ -56,7 +56,7 @@ from floatguard.monitor.bounds import (
 )
 from floatguard.monitor.localize import Alert, Fault, Record, RecordKind, localize
 from floatguard.monitor.sentinel import Sentinel
-from floatguard.stats import TensorStats, stats_and_aminmax
+from floatguard.stats import EXP_MIN, TensorStats, stats_and_aminmax
 
 __all__ = ["Monitor"]
 
@@ -942,4 +942,43 @@ class Monitor:
         names = ("overflow", "underflow", "subnormal", "scale", "scale_pow2")
         for key in stats:
             out[key] = {f.name: dict(zip(names, next(it), strict=True)) for f in fmts}
+        return out
+
+    def stats_summary(self) -> list[dict[str, Any]]:
+        """Stats mode: a JSON-ready summary of this step's tensors, for the event stream.
+
+        Per ``(module, role)``: ``numel``, ``amax``, ``nonfinite``, per format of
+        :attr:`formats` the ``underflow`` / ``overflow`` / ``subnormal`` fractions (unscaled
+        casts, from :meth:`format_fit`), and ``hist``: the exponent histogram's non-empty
+        span (``hist_from`` is the binary exponent of its first bin). Two host reads.
+        Empty when the step kept no statistics."""
+        stats = self.stats
+        if not stats:
+            return []
+        fit = self.format_fit()
+        keys = list(stats)
+        rows = torch.stack(
+            [
+                torch.stack(
+                    [st.numel.double(), st.amax.double(), (st.nan + st.posinf + st.neginf).double()]
+                ).cpu()
+                for st in stats.values()
+            ]
+        ).tolist()
+        hists = torch.stack([st.hist.cpu() for st in stats.values()]).tolist()
+        out = []
+        for key, (numel, amax, nonfinite), hist in zip(keys, rows, hists, strict=True):
+            nz = [i for i, c in enumerate(hist) if c]
+            lo, hi = (nz[0], nz[-1] + 1) if nz else (0, 0)
+            out.append(
+                {
+                    "module": key[0], "role": key[1], "numel": int(numel), "amax": amax,
+                    "nonfinite": int(nonfinite),
+                    "formats": {
+                        f: {k: v[k] for k in ("underflow", "overflow", "subnormal")}
+                        for f, v in fit[key].items()
+                    },
+                    "hist_from": EXP_MIN + lo, "hist": [int(c) for c in hist[lo:hi]],
+                }
+            )  # fmt: skip
         return out

@@ -117,6 +117,91 @@ def _plots(events: list[Event], out: Path) -> dict[str, Path]:
     return paths
 
 
+# the formats whose windows the exponent histograms are drawn against
+_WINDOWS = ("fp16", "bf16", "e4m3fn", "e5m2")
+
+
+def _stats_plots(events: list[Event], out: Path) -> dict[str, Path]:
+    """Per-layer heatmaps (amax, fp16 underflow) over the sampled steps, and exponent
+    histograms of two chosen tensors against each format's representable window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from floatguard.formats import get
+
+    samples = [e for e in events if e.kind == "stats" and e["tensors"]]
+    paths: dict[str, Path] = {}
+    if not samples:
+        return paths
+    # Activations (module outputs) of the modules seen on every sampled step.
+    rows = sorted({(t["module"], t["role"]) for e in samples for t in e["tensors"]
+                   if t["role"] == "output[0]" and t["module"]})  # fmt: skip
+    if rows:
+        amax = np.full((len(rows), len(samples)), np.nan)
+        under = np.full((len(rows), len(samples)), np.nan)
+        for j, e in enumerate(samples):
+            for t in e["tensors"]:
+                key = (t["module"], t["role"])
+                if key in rows and _finite(t["amax"]) and t["amax"] > 0:
+                    i = rows.index(key)
+                    amax[i, j] = math.log10(t["amax"])
+                    under[i, j] = t["formats"].get("fp16", {}).get("underflow", math.nan)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 0.32 * len(rows) + 1.8), sharey=True)
+        for ax, data, title, cmap in (
+            (axes[0], amax, "log10 amax of each module's output", "viridis"),
+            (axes[1], under, "fraction of the output that underflows in fp16", "magma"),
+        ):
+            finite = data[~np.isnan(data)]
+            kw = {"vmin": 0.0, "vmax": max(float(finite.max()) if finite.size else 0.0, 1e-3)}
+            im = ax.imshow(
+                data, aspect="auto", cmap=cmap, interpolation="nearest",
+                **(kw if cmap == "magma" else {}),
+            )  # fmt: skip
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("sampled step")
+            ax.set_xticks(range(len(samples)))
+            ax.set_xticklabels([str(e.step) for e in samples], rotation=90, fontsize=6)
+            fig.colorbar(im, ax=ax, fraction=0.04)
+        axes[0].set_yticks(range(len(rows)))
+        axes[0].set_yticklabels([m for m, _ in rows], fontsize=7)
+        fig.tight_layout()
+        paths["heatmap"] = out / "heatmap.png"
+        fig.savefig(paths["heatmap"], dpi=90)
+        plt.close(fig)
+    last = samples[-1]["tensors"]
+    acts = [t for t in last if t["role"] == "output[0]" and t["hist"]]
+    grads = [t for t in last if t["role"].endswith(".grad") and t["hist"]]
+    chosen = [c for c in (max(acts, key=lambda t: t["amax"], default=None),
+                          min(grads, key=lambda t: t["hist_from"], default=None)) if c]  # fmt: skip
+    if chosen:
+        fig, axes = plt.subplots(len(chosen), 1, figsize=(10, 2.6 * len(chosen)), squeeze=False)
+        colors = ("#1f77b4", "#2ca02c", "#d62728", "#9467bd")
+        for ax, t in zip(axes[:, 0], chosen, strict=True):
+            xs = [t["hist_from"] + i for i in range(len(t["hist"]))]
+            ax.bar(xs, t["hist"], width=1.0, color="#555", label="values per binade")
+            for k, (name, color) in enumerate(zip(_WINDOWS, colors, strict=True)):
+                f = get(name)
+                lo = math.floor(math.log2(f.smallest_subnormal or f.tiny))
+                hi = math.floor(math.log2(f.max))
+                ax.axvspan(lo, hi + 1, ymin=k * 0.06, ymax=k * 0.06 + 0.05, color=color,
+                           alpha=0.8, label=f"{name} window [2^{lo}, 2^{hi + 1})")  # fmt: skip
+            ax.set_yscale("log")
+            ax.set_xlabel("binary exponent floor(log2|x|)")
+            ax.set_ylabel("count (log scale)")
+            ax.set_title(f"{t['module'] or '<root>'} {t['role']} at step {samples[-1].step}",
+                         fontsize=9)  # fmt: skip
+            ax.set_xlim(min(xs[0], -40) - 1, max(xs[-1], 20) + 2)
+            ax.legend(fontsize=7, loc="upper left")
+        fig.tight_layout()
+        paths["histograms"] = out / "histograms.png"
+        fig.savefig(paths["histograms"], dpi=90)
+        plt.close(fig)
+    return paths
+
+
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1000px;margin:2em auto;
 color:#222;padding:0 1em} h1{font-size:1.6em} h2{margin-top:1.6em;border-bottom:1px solid #ddd}
@@ -195,6 +280,7 @@ def render_report(
     verdict = verdict_of(events)
     found = diagnose(events)
     plots = _plots(events, out)
+    plots.update(_stats_plots(events, out))
     counts: dict[str, int] = {}
     for e in events:
         counts[e.kind] = counts.get(e.kind, 0) + 1
@@ -212,6 +298,11 @@ def render_report(
         _img(plots["timeline"], "loss and gradient norm over steps") if "timeline" in plots
         else "<p>No step events.</p>",
         _img(plots["scale"], "loss scale over steps") if "scale" in plots else "",
+        "<h2>Layers</h2>" if "heatmap" in plots or "histograms" in plots else "",
+        _img(plots["heatmap"], "per-layer amax and fp16 underflow over sampled steps")
+        if "heatmap" in plots else "",
+        _img(plots["histograms"], "exponent histograms against format windows")
+        if "histograms" in plots else "",
         f"<h2>Faults ({verdict.faults})</h2>",
         _fault_cards(events),
         f"<h2>Diagnosis ({len(found)})</h2>",
