@@ -138,3 +138,38 @@ def test_gradient_underflow_from_the_sampled_statistics() -> None:
     assert diagnose(scaled)[0].severity == 1
     tensors[0]["formats"]["fp16"]["underflow"] = 0.001  # type: ignore[index]
     assert diagnose([*steps([1.0] * 10), ev("stats", 5, tensors=tensors)]) == []
+
+
+def _t(module: str, role: str, numel: int = 100, zeros: int = 0, amax: float = 1.0) -> dict:  # type: ignore[type-arg]
+    return {"module": module, "role": role, "numel": numel, "zeros": zeros, "amax": amax,
+            "formats": {"fp16": {"underflow": 0.0}}}  # fmt: skip
+
+
+def test_dead_layers_told_apart_by_the_statistics() -> None:
+    dead_relu = [*steps([1.0] * 10), ev("stats", 4, tensors=[
+        _t("act", "output[0]", zeros=97), _t("fc2", "param:weight.grad", zeros=100)])]  # fmt: skip
+    f = next(x for x in diagnose(dead_relu) if x.rule == "dead_layers")
+    assert "dead units" in f.cause and "fc2.param:weight.grad" in f.evidence
+    underflow = [*steps([1.0] * 10, scale=65536.0), ev("stats", 4, tensors=[
+        _t("act", "output[0]", zeros=3), _t("fc2", "param:weight.grad", zeros=100)])]  # fmt: skip
+    f = next(x for x in diagnose(underflow) if x.rule == "dead_layers")
+    assert "fp16 underflow" in f.cause
+
+
+def test_attention_logit_growth() -> None:
+    samples = [ev("stats", s, tensors=[_t("blocks.0.attn.qkv", "output[0]", amax=a)])
+               for s, a in ((0, 1.0), (50, 4.0), (100, 30.0))]  # fmt: skip
+    f = diagnose([*steps([1.0] * 10), *samples])
+    assert [x.rule for x in f] == ["attention_logits"] and "30x" in f[0].evidence
+    flat = [ev("stats", s, tensors=[_t("blocks.0.attn.qkv", "output[0]", amax=2.0)])
+            for s in (0, 50, 100)]  # fmt: skip
+    assert diagnose([*steps([1.0] * 10), *flat]) == []
+
+
+def test_fp16_divergence_after_overflows() -> None:
+    evs = [*steps([1.0] * 40 + [math.nan] * 3, scale=1024.0)] + [
+        ev("overflow", s, scale_before=2048.0, scale_after=1024.0) for s in (32, 35, 38)
+    ]
+    assert "fp16_divergence" in [f.rule for f in diagnose(evs)]
+    fp32 = steps([1.0] * 40 + [math.nan] * 3)
+    assert "fp16_divergence" not in [f.rule for f in diagnose(fp32)]

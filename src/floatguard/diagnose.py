@@ -357,6 +357,107 @@ def gradient_underflow(events: list[Event]) -> list[Finding]:
     )]  # fmt: skip
 
 
+def _samples(events: list[Event]) -> list[Event]:
+    return [e for e in events if e.kind == "stats" and e["tensors"]]
+
+
+@_rule
+def dead_layers(events: list[Event]) -> list[Finding]:
+    """Layers whose gradient is all zero on a sampled step: dead units or underflow."""
+    dead: dict[str, int] = {}
+    zero_acts: dict[str, float] = {}
+    for e in _samples(events):
+        for t in e["tensors"]:
+            n = t.get("numel", 0)
+            if not n:
+                continue
+            if t["role"].endswith(".grad") and t.get("zeros", 0) == n:
+                dead.setdefault(f"{t['module']}.{t['role']}", e.step)
+            if t["role"] == "output[0]":
+                frac = t.get("zeros", 0) / n
+                zero_acts[t["module"]] = max(zero_acts.get(t["module"], 0.0), frac)
+    if not dead:
+        return []
+    mostly_zero = sorted(m for m, f in zero_acts.items() if f >= 0.9)
+    fp16 = any(_finite(e["scale"]) and e["scale"] > 1.0 for e in _steps(events))
+    if mostly_zero:
+        cause = (
+            f"dead units: the outputs of {', '.join(mostly_zero[:3])} are >= 90% zeros, "
+            "so no gradient flows back through them (ReLU units pushed below 0 for good)"
+        )
+        fix = "a smaller LR, LeakyReLU/GELU, or a better initialization"
+    elif fp16:
+        cause = "fp16 underflow: the gradients are smaller than fp16's 6e-8 and became 0"
+        fix = "raise the loss scale (min_scale) or train in bf16"
+    else:
+        cause = "no gradient reaches these parameters (unused in the loss, or detached)"
+        fix = "check that the layer's output feeds the loss, and requires_grad"
+    names = sorted(dead)
+    return [Finding(
+        "dead_layers", "Layers with an all-zero gradient",
+        f"{len(names)} parameter gradient(s) exactly zero on a sampled step: "
+        f"{', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""),
+        cause, fix, 2, tuple(sorted(set(dead.values()))),
+    )]  # fmt: skip
+
+
+@_rule
+def attention_logits(events: list[Event]) -> list[Finding]:
+    """Attention inputs (q/k projections) whose amax grows over the run: logits grow as
+    their product, and the softmax saturates (the lesson on 1/sqrt(d_k))."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for e in _samples(events):
+        for t in e["tensors"]:
+            m = t["module"].lower()
+            if t["role"] == "output[0]" and any(k in m for k in ("qkv", "q_proj", "k_proj",
+                                                                 "query", "key")):  # fmt: skip
+                if _finite(t["amax"]) and t["amax"] > 0:
+                    series.setdefault(t["module"], []).append((e.step, t["amax"]))
+    out = []
+    for module, pts in series.items():
+        if len(pts) < 3:
+            continue
+        first, last = pts[0][1], pts[-1][1]
+        if last >= 10 * first and last >= 8.0:
+            out.append(Finding(
+                "attention_logits", f"Attention logits grow in {module}",
+                f"the amax of {module}'s output grew {last / first:.0f}x (from {first:.3g} at "
+                f"step {pts[0][0]} to {last:.3g} at step {pts[-1][0]}); q k^T grows as its "
+                "square",
+                "unbounded q/k growth saturates the softmax: one key takes all the weight and "
+                "the gradient through the softmax vanishes; in low precision the logits "
+                "themselves overflow",
+                "scale the scores by 1/sqrt(d_k), normalize q and k (QK-norm), or soft-cap "
+                "the logits; lower the LR",
+                2, (pts[-1][0],),
+            ))  # fmt: skip
+    return out
+
+
+@_rule
+def fp16_divergence(events: list[Event]) -> list[Finding]:
+    """An fp16 run whose loss goes non-finite after a burst of overflows."""
+    steps = _steps(events)
+    if not any(_finite(e["scale"]) and e["scale"] > 1.0 for e in steps):
+        return []
+    bad = [e.step for e in steps if not _finite(e["loss"])]
+    if not bad:
+        return []
+    over = [e.step for e in events if e.kind == "overflow" and bad[0] - 50 <= e.step <= bad[0]]
+    if len(over) < 3:
+        return []
+    return [Finding(
+        "fp16_divergence", "Divergence in fp16",
+        f"{len(over)} gradient overflows in the 50 steps before the loss went non-finite at "
+        f"step {bad[0]}",
+        "the run's values outgrew fp16's range (65504): what trains in fp32 diverges after "
+        "a switch to fp16 when activations or gradients grow (an LR tuned for fp32, a "
+        "missing fp32 master copy of the weights, no loss scaling)",
+        "keep fp32 master weights (MasterWeights), lower the LR, or train in bf16",
+        3, (bad[0],),
+    )]  # fmt: skip
+
+
 def diagnose(events: Iterable[Event]) -> list[Finding]:
     """Run every rule over ``events``; the findings, most severe first (then earliest)."""
     evs = list(events)

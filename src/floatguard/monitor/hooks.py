@@ -947,7 +947,7 @@ class Monitor:
     def stats_summary(self) -> list[dict[str, Any]]:
         """Stats mode: a JSON-ready summary of this step's tensors, for the event stream.
 
-        Per ``(module, role)``: ``numel``, ``amax``, ``nonfinite``, per format of
+        Per ``(module, role)``: ``numel``, ``amax``, ``nonfinite``, ``zeros``, per format of
         :attr:`formats` the ``underflow`` / ``overflow`` / ``subnormal`` fractions (unscaled
         casts, from :meth:`format_fit`), and ``hist``: the exponent histogram's non-empty
         span (``hist_from`` is the binary exponent of its first bin). Two host reads.
@@ -960,20 +960,25 @@ class Monitor:
         rows = torch.stack(
             [
                 torch.stack(
-                    [st.numel.double(), st.amax.double(), (st.nan + st.posinf + st.neginf).double()]
+                    [
+                        st.numel.double(),
+                        st.amax.double(),
+                        (st.nan + st.posinf + st.neginf).double(),
+                        st.zeros.double(),
+                    ]
                 ).cpu()
                 for st in stats.values()
             ]
         ).tolist()
         hists = torch.stack([st.hist.cpu() for st in stats.values()]).tolist()
         out = []
-        for key, (numel, amax, nonfinite), hist in zip(keys, rows, hists, strict=True):
+        for key, (numel, amax, nonfinite, zeros), hist in zip(keys, rows, hists, strict=True):
             nz = [i for i, c in enumerate(hist) if c]
             lo, hi = (nz[0], nz[-1] + 1) if nz else (0, 0)
             out.append(
                 {
                     "module": key[0], "role": key[1], "numel": int(numel), "amax": amax,
-                    "nonfinite": int(nonfinite),
+                    "nonfinite": int(nonfinite), "zeros": int(zeros),
                     "formats": {
                         f: {k: v[k] for k in ("underflow", "overflow", "subnormal")}
                         for f, v in fit[key].items()
