@@ -53,6 +53,7 @@ from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolic
 from floatguard.stability.snapshot import Snapshot, SnapshotError, SnapshotStore, load_snapshot
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
 from floatguard.stability.step_state import StepState, set_rng_state
+from floatguard.stats import TensorStats
 
 __all__ = ["Guard", "StepResult"]
 
@@ -141,8 +142,20 @@ def _fault_key(fault: Fault) -> tuple[str, str, str, str | None]:
 def _fault_from_replay(step: int, r: ReplayResult, deterministic: bool) -> Fault:
     return Fault(
         step, r.phase, r.module if r.module is not None else "", r.tensor, r.kind, r.shape,
-        None, r.op, r.source, deterministic,
+        r.outputs[0] if r.outputs else None, r.op, r.source, deterministic,
     )  # fmt: skip
+
+
+def _stats_fields(st: TensorStats | None) -> dict[str, Any] | None:
+    """A birth's statistics for the event stream: counts and finite extremes (one read)."""
+    if st is None:
+        return None
+    v = torch.stack(
+        [st.numel.double(), st.nan.double(), st.posinf.double(), st.neginf.double(),
+         st.zeros.double(), st.amax.double(), st.min.double(), st.max.double()]
+    ).cpu().tolist()  # fmt: skip
+    names = ("numel", "nan", "posinf", "neginf", "zeros", "amax", "min", "max")
+    return {n: (int(x) if i < 5 else x) for i, (n, x) in enumerate(zip(names, v, strict=True))}
 
 
 class Guard:
@@ -710,6 +723,7 @@ class Guard:
             "fault", step, phase=fault.phase, module=fault.module, tensor=fault.tensor,
             kind_of_value=fault.kind, shape=list(fault.shape), op=fault.op,
             source=fault.source, deterministic=fault.deterministic,
+            stats=_stats_fields(fault.stats),
         )  # fmt: skip
 
     def _recover_lr(self) -> None:

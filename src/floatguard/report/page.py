@@ -240,9 +240,21 @@ def _fault_cards(events: list[Event]) -> str:
             f"<code>{_e(f['module'] or '<root>')}</code> ({_e(f['phase'])}, "
             f"<code>{_e(f['tensor'])}</code>)<br>op: <code>{_e(f['op'] or '-')}</code>; "
             f"line: <code>{_e(f['source'] or '-')}</code><br>shape {_e(f['shape'])}; {det}"
-            f"<br>the guard: <b>{_e(action)}</b> ({_e(reason)})</div>"
+            + _stats_line(f.fields.get("stats"))
+            + f"<br>the guard: <b>{_e(action)}</b> ({_e(reason)})</div>"
         )
     return "\n".join(out)
+
+
+def _stats_line(st: object) -> str:
+    if not isinstance(st, dict):
+        return ""
+    parts = [
+        f"{k} {st[k]:g}" if isinstance(st[k], float) else f"{k} {st[k]}"
+        for k in ("numel", "nan", "posinf", "neginf", "zeros", "amax", "min", "max")
+        if k in st
+    ]
+    return f"<br>value statistics: {_e(', '.join(parts))}"
 
 
 def _findings(found: list[Finding]) -> str:
