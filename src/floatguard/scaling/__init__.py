@@ -22,6 +22,7 @@ from floatguard.scaling.recipes import (
     Rowwise,
     Tensorwise,
     amax_to_scale,
+    amax_to_scale_and_fallbacks,
     quant_metrics,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "Rowwise",
     "Tensorwise",
     "amax_to_scale",
+    "amax_to_scale_and_fallbacks",
     "emulate",
     "fake_quant",
     "quant_metrics",

@@ -44,6 +44,7 @@ __all__ = [
     "Rowwise",
     "Tensorwise",
     "amax_to_scale",
+    "amax_to_scale_and_fallbacks",
     "quant_metrics",
 ]
 
@@ -58,6 +59,9 @@ class QuantResult:
     fallbacks: torch.Tensor
 
 
+FLT_MAX = float.fromhex("0x1.fffffep127")  # float32's largest value, ~3.4028e38
+
+
 def amax_to_scale(
     amax: torch.Tensor,
     fmt: str | Format,
@@ -67,22 +71,60 @@ def amax_to_scale(
     power_of_two: bool = False,
     fallback: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
-    """``fmt.max / max(amax, eps) / 2**margin``, or ``fallback`` where amax is 0 or not finite.
+    """``fmt.max / max(amax, eps) / 2**margin`` as float32, or ``fallback`` where amax is 0
+    (with ``eps=0``) or not finite. See :func:`amax_to_scale_and_fallbacks`."""
+    return amax_to_scale_and_fallbacks(
+        amax, fmt, margin=margin, eps=eps, power_of_two=power_of_two, fallback=fallback
+    )[0]
 
-    ``eps=0`` is Transformer Engine's formula, ``eps=1e-12`` torchao's (there an
-    amax of 0 gives ``fmt.max / 1e-12`` rather than the fallback). ``power_of_two``
-    rounds the scale *down* to a power of two (torchao's ``round_scales_to_power_of_2``),
-    so ``amax * scale`` still fits. Float32, on amax's device, no sync.
+
+def amax_to_scale_and_fallbacks(
+    amax: torch.Tensor,
+    fmt: str | Format,
+    *,
+    margin: int = 0,
+    eps: float = 0.0,
+    power_of_two: bool = False,
+    fallback: torch.Tensor | float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales for ``amax``, and a bool mask of those that fell back.
+
+    - The scale is ``fmt.max / max(amax, eps) / 2**margin`` rounded *once* to float32
+      (the correctly rounded quotient, as Transformer Engine's ``__fdiv_rn``): the
+      division runs in float64 and is rounded to float32, which is exact rounding for
+      a quotient of float32 values (53 >= 2 * 24 + 2 bits; Figueroa, "When is double
+      rounding innocuous?", 1995). torch's ``scalar / tensor`` is
+      ``reciprocal(amax) * max``, two roundings, 1 ulp off for ~38% of amaxes.
+    - ``power_of_two``: the largest power of two ``s`` with ``amax * s <= fmt.max /
+      2**margin``, from the exponent bits (``frexp``), never through a float32 ``log2``.
+    - A tiny but finite amax whose quotient overflows float32 gets ``FLT_MAX`` (TE's
+      ``value_for_inf``; ``2**127`` for powers of two), so its values are kept rather
+      than flushed by a scale of 1; it counts as a fallback.
+    - ``eps=0`` is Transformer Engine's formula (amax 0 falls back), ``eps=1e-12``
+      torchao's (amax 0 gives ``fmt.max / 1e-12``). Non-finite amax falls back.
+
+    Float32 scales on amax's device, no sync.
     """
     f = get(fmt)
     a = amax.to(torch.float32)
     denom = torch.clamp(a, min=eps) if eps > 0 else a
-    scale = (f.max / denom) / (2.0**margin)
+    d64 = denom.to(torch.float64)
+    q = f.max / d64 / (2.0**margin)  # exact in float64 up to one rounding
+    usable = torch.isfinite(a) & (d64 > 0)
     if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    ok = torch.isfinite(a) & torch.isfinite(scale) & (scale > 0)
+        _, e = torch.frexp(q)  # q = m * 2**e, m in [0.5, 1): 2**(e - 1) <= q
+        s = torch.ldexp(torch.ones_like(q), e - 1)
+        # q was rounded: where it rounded up onto a power of two, amax * s is past max.
+        s = torch.where(d64 * s * (2.0**margin) > f.max, s * 0.5, s)
+        big = s > 2.0**127
+        scale = torch.where(big, torch.full_like(s, 2.0**127), s).to(torch.float32)
+        overflow = big
+    else:
+        overflow = q > FLT_MAX
+        scale = torch.where(overflow, torch.full_like(q, FLT_MAX), q).to(torch.float32)
     fb = torch.as_tensor(fallback, dtype=torch.float32, device=a.device)
-    return torch.where(ok, scale, fb)
+    scale = torch.where(usable, scale, fb)
+    return scale, ~usable | (usable & overflow)
 
 
 def _fq(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -154,12 +196,6 @@ class Recipe:
         return self(x).values.to(x.dtype)
 
 
-def _count_fallback(amax: torch.Tensor, f: Format, eps: float) -> torch.Tensor:
-    a = amax.to(torch.float32)
-    bad = ~torch.isfinite(a) | ((a <= 0) if eps == 0 else torch.zeros_like(a, dtype=torch.bool))
-    return bad.sum()
-
-
 @dataclass(frozen=True)
 class Tensorwise(Recipe):
     """One scale for the whole tensor from its current amax (TE Float8CurrentScaling,
@@ -177,8 +213,10 @@ class Tensorwise(Recipe):
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
         amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-        scale = amax_to_scale(amax, f, eps=self.eps, power_of_two=self.power_of_two)
-        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, _count_fallback(amax, f, self.eps))
+        scale, fell = amax_to_scale_and_fallbacks(
+            amax, f, eps=self.eps, power_of_two=self.power_of_two
+        )
+        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum())
 
 
 @dataclass(frozen=True)
@@ -197,8 +235,10 @@ class Rowwise(Recipe):
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
         amax = x.detach().abs().amax(dim=self.axis, keepdim=True).float()
-        scale = amax_to_scale(amax, f, eps=self.eps, power_of_two=self.power_of_two)
-        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, _count_fallback(amax, f, self.eps))
+        scale, fell = amax_to_scale_and_fallbacks(
+            amax, f, eps=self.eps, power_of_two=self.power_of_two
+        )
+        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum())
 
 
 @dataclass(frozen=True)
@@ -238,12 +278,10 @@ class Block(Recipe):
         xp = torch.nn.functional.pad(x2.float(), (0, pc, 0, pr))
         blocks = xp.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
         amax = blocks.detach().abs().amax(dim=(1, 3), keepdim=True)
-        s = amax_to_scale(amax, f, power_of_two=self.scale == "pow2")
+        s, fell = amax_to_scale_and_fallbacks(amax, f, power_of_two=self.scale == "pow2")
         q = (quantize(blocks * s, f, overflow="saturate") / s).reshape(rows + pr, cols + pc)
         q = q[:rows, :cols].reshape(x.shape).to(x.dtype)
-        return QuantResult(
-            q, s.reshape(amax.shape[0], amax.shape[2]), _count_fallback(amax, f, 0.0)
-        )
+        return QuantResult(q, s.reshape(amax.shape[0], amax.shape[2]), fell.sum())
 
 
 @dataclass(frozen=True)
@@ -281,8 +319,10 @@ class MX(Recipe):
         a = amax.to(torch.float32)
         if self.scale_mode == "rceil":
             # ceil(log2(amax / elem_max)) exactly: frexp gives r = m * 2**e, m in [0.5, 1);
-            # log2 in float32 would lose the fraction just above a power of two.
-            m, e = torch.frexp(a / f.max)
+            # log2 in float32 would lose the fraction just above a power of two. The
+            # quotient in float64: in float32 it underflows to 0 for a tiny amax (whose
+            # exponent is then clamped to -127, not taken as 0).
+            m, e = torch.frexp(a.to(torch.float64) / f.max)
             x = torch.where(m == 0.5, e - 1, e).to(torch.float32)
         elif self.scale_mode == "even":
             # Round amax half-up at the element's mantissa width, keep the exponent only
@@ -298,7 +338,9 @@ class MX(Recipe):
             x = floor_log2 - emax_elem
         x = torch.where(a > 0, x, torch.full_like(x, -127.0))
         x = torch.clamp(x, -127.0, 127.0)
-        return torch.where(torch.isnan(a), torch.full_like(x, math.nan), x)
+        # A block holding inf or NaN: E8M0 has only a NaN code for it (OCP MX v1.0,
+        # section 5.4.1), and the whole block decodes to NaN.
+        return torch.where(torch.isfinite(a), x, torch.full_like(x, math.nan))
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.element)
@@ -309,7 +351,8 @@ class MX(Recipe):
         q = q.reshape(*q.shape[:-2], -1)
         if pad:
             q = q[..., : x.shape[-1]]
-        return QuantResult(q.reshape(x.shape).to(x.dtype), scale.squeeze(-1), (amax == 0).sum())
+        fell = (amax == 0) | ~torch.isfinite(amax)
+        return QuantResult(q.reshape(x.shape).to(x.dtype), scale.squeeze(-1), fell.sum())
 
 
 @dataclass(frozen=True)
@@ -329,8 +372,15 @@ class NVFP4(Recipe):
         e2m1, e4m3 = get("e2m1fn"), get("e4m3fn")
         xf = x.float()
         amax_t = xf.detach().abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+        # One correctly rounded quotient (float64, rounded once to float32); a tiny amax
+        # whose quotient overflows float32 gets FLT_MAX, never inf (which would turn the
+        # whole tensor into zeros).
+        q64 = (e2m1.max * e4m3.max) / amax_t.to(torch.float64)
         ok = torch.isfinite(amax_t) & (amax_t > 0)
-        s_enc = torch.where(ok, (e2m1.max * e4m3.max) / amax_t, torch.ones_like(amax_t))
+        s_enc = torch.where(
+            ok, torch.clamp(q64, max=FLT_MAX).to(torch.float32), torch.ones_like(amax_t)
+        )
+        fell = ~ok | (ok & (q64 > FLT_MAX))
         blocks, pad = _blocks_last(xf, self.block)
         amax_b = blocks.detach().abs().amax(dim=-1, keepdim=True)
         stored = quantize(amax_b / e2m1.max * s_enc, e4m3, overflow="saturate")
@@ -344,7 +394,7 @@ class NVFP4(Recipe):
         values = q.reshape(x.shape).to(x.dtype)
         # scales: the fp32 tensor scale, then every stored e4m3 block scale
         scales = torch.cat([s_enc.reshape(1), stored.reshape(-1)])
-        return QuantResult(values, scales, (~ok).sum())
+        return QuantResult(values, scales, fell.sum())
 
 
 @dataclass(frozen=True)
@@ -394,8 +444,10 @@ class DelayedScaler:
         self.history[0] = amax
         self.steps += 1
         amax_h = self.history.amax() if self.recipe.algo == "max" else self.history[0]
-        self.scale = amax_to_scale(amax_h, f, margin=self.recipe.margin, fallback=self.scale)
-        return QuantResult(values, used, _count_fallback(amax_h, f, 0.0))
+        self.scale, fell = amax_to_scale_and_fallbacks(
+            amax_h, f, margin=self.recipe.margin, fallback=self.scale
+        )
+        return QuantResult(values, used, fell.sum())
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -433,7 +485,5 @@ class EMAScaler:
         else:
             new = self.smoothing * self.amax_ema + (1 - self.smoothing) * amax
             self.amax_ema = torch.where(ok, new, self.amax_ema)
-        scale = amax_to_scale(self.amax_ema, f, margin=self.margin)
-        return QuantResult(
-            _fq(x, scale, f).to(x.dtype), scale, _count_fallback(self.amax_ema, f, 0.0)
-        )
+        scale, fell = amax_to_scale_and_fallbacks(self.amax_ema, f, margin=self.margin)
+        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum())

@@ -1,0 +1,138 @@
+"""Scale numerics against references written from the formulas (exact rationals).
+
+Transformer Engine computes ``scale = fp8_max / amax`` with a correctly rounded float32
+division (``__fdiv_rn``), replaces an infinite quotient by FLT_MAX (``value_for_inf``),
+and for power-of-two scales keeps the exponent bits; OCP MX v1.0 (section 5.4.1) gives
+a block holding inf or NaN the E8M0 NaN code. Each contract is checked on random and
+edge-case amaxes: zero, subnormal, tiny normal, just above/below powers of two and
+``fmt.max * 2**k``, inf, NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from floatguard.formats import get
+from floatguard.scaling import MX, NVFP4, Block, Tensorwise, amax_to_scale_and_fallbacks
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def f32_nearest(x: Fraction) -> float:
+    """The float32 nearest to the exact rational ``x`` (ties to even): the reference."""
+    f = np.float32(float(x))
+    best = None
+    for cand in (np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))):
+        if not np.isfinite(cand):
+            continue
+        err = abs(Fraction(float(cand)) - x)
+        key = (err, int(np.array(cand).view(np.int32)) & 1)  # ties: the even pattern
+        if best is None or key < best[0]:
+            best = (key, float(cand))
+    assert best is not None
+    return best[1]
+
+
+def edge_amaxes(fmt_max: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    rnd = torch.exp2(torch.rand(3000, generator=g) * 200 - 100)  # spread over many binades
+    special = []
+    for k in range(-20, 21):
+        for base in (1.0, fmt_max):
+            v = np.float32(base * 2.0**k)
+            special += [v, np.nextafter(v, np.float32(0)), np.nextafter(v, np.float32(np.inf))]
+    special += [3.0, 5.0, 7.0, 1e-45, 1e-40, 1.17549435e-38, 1e-30]  # subnormal, tiny normal
+    return torch.cat([rnd, torch.tensor(np.array(special, dtype=np.float32))])
+
+
+@pytest.mark.parametrize("name", ["e4m3fn", "e5m2", "e2m1fn"])
+def test_every_scale_is_the_correctly_rounded_quotient(name: str) -> None:
+    f = get(name)
+    amax = edge_amaxes(f.max)
+    scale, fell = amax_to_scale_and_fallbacks(amax, f)
+    for a, s, fb in zip(amax.tolist(), scale.tolist(), fell.tolist(), strict=True):
+        exact = Fraction(f.max) / Fraction(a)
+        if exact > Fraction(FLT_MAX):
+            assert s == FLT_MAX and fb, a  # TE's value_for_inf, counted
+        else:
+            assert s == f32_nearest(exact), (a, s, f32_nearest(exact))
+            assert not fb
+    # torch's own scalar / tensor is two roundings: about a third of these are 1 ulp off
+    naive = (f.max / amax.float()).tolist()
+    off = sum(1 for a, n, s in zip(amax.tolist(), naive, scale.tolist(), strict=True)
+              if math.isfinite(n) and n != s)  # fmt: skip
+    assert off > 0
+
+
+@pytest.mark.parametrize("name", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_power_of_two_scales_come_from_the_exponent_bits(name: str, margin: int) -> None:
+    f = get(name)
+    amax = edge_amaxes(f.max)
+    scale, _ = amax_to_scale_and_fallbacks(amax, f, power_of_two=True, margin=margin)
+    limit = Fraction(f.max) / 2**margin
+    for a, s in zip(amax.tolist(), scale.tolist(), strict=True):
+        # the largest power of two s with a * s <= max / 2**margin (capped at 2**127)
+        k = math.floor(math.log2(limit / Fraction(a)))
+        while Fraction(a) * Fraction(2) ** (k + 1) <= limit:
+            k += 1
+        while Fraction(a) * Fraction(2) ** k > limit:
+            k -= 1
+        assert s == 2.0 ** min(k, 127), (a, s, k)
+        assert Fraction(a) * Fraction(s) <= limit or k > 127
+
+
+def test_just_above_max_times_a_power_of_two_does_not_overflow() -> None:
+    f = get("e4m3fn")
+    a = np.nextafter(np.float32(448 * 2.0**-3), np.float32(np.inf))  # a hair above 56
+    t = Tensorwise("e4m3fn", power_of_two=True)
+    x = torch.tensor([float(a), -1.0, 0.5])
+    r = t(x)
+    assert float(r.scales) == 4.0  # not 8: 56.0000x * 8 would pass 448 and saturate
+    assert float(torch.tensor(float(a)) * r.scales) <= f.max
+
+
+def test_a_tiny_amax_keeps_its_values_and_counts_the_fallback() -> None:
+    x = torch.tensor([1e-40, -5e-41, 3e-41])  # float32 subnormals: 448 / amax overflows
+    r = Tensorwise("e4m3fn")(x)
+    assert float(r.scales) == FLT_MAX and int(r.fallbacks) == 1
+    assert bool((r.values != 0).all())  # not flushed to zero by a scale of 1
+    r0 = Tensorwise("e4m3fn")(torch.zeros(3))
+    assert float(r0.scales) == 1.0 and int(r0.fallbacks) == 1
+    nv = NVFP4()(torch.tensor([1e-40, -2e-40] * 8))
+    assert math.isfinite(float(nv.scales[0])) and int(nv.fallbacks) == 1
+    assert bool((nv.values != 0).any())
+
+
+def test_mx_blocks_holding_inf_or_nan_get_a_nan_scale() -> None:
+    x = torch.randn(2, 32)
+    x[0, 5] = math.inf
+    x[1, 7] = math.nan
+    for mode in ("floor", "ceil", "even", "rceil"):
+        r = MX("e4m3fn", scale_mode=mode)(x)  # type: ignore[arg-type]
+        assert bool(torch.isnan(r.scales).all()), mode
+        assert bool(torch.isnan(r.values).all()), mode  # the whole block decodes to NaN
+        assert int(r.fallbacks) == 2
+    ok = MX("e4m3fn")(torch.randn(1, 32))
+    assert bool(torch.isfinite(ok.scales).all()) and int(ok.fallbacks) == 0
+
+
+def test_mx_rceil_of_a_tiny_amax_is_minus_127() -> None:
+    mx = MX("e4m3fn", scale_mode="rceil")
+    amax = torch.tensor([1e-45, 1e-40, 2.0**-130, 448.0, 449.0, 0.0])
+    x = mx.exponents(amax).tolist()
+    assert x[:3] == [-127.0, -127.0, -127.0]  # the quotient underflows float32; not 0
+    assert x[3:] == [0.0, 1.0, -127.0]
+
+
+def test_block_pow2_inherits_the_exact_power_of_two() -> None:
+    a = float(np.nextafter(np.float32(448.0 * 2.0**-4), np.float32(np.inf)))
+    x = torch.full((1, 128), 0.01)
+    x[0, 0] = a
+    r = Block("e4m3fn", (1, 128), scale="pow2")(x)
+    assert float(r.scales.reshape(-1)[0]) == 8.0  # 2**4 would overflow 448 by a hair
