@@ -51,7 +51,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_user_mistakes_are_one_red_line_exit_2() -> None:
     for args, needle in [
-        (("explain", "0.1", "--format", "e4m4"), "unknown format 'e4m4'; did you mean"),
+        (("explain", "0.1", "--format", "e4m3fm"), "unknown format 'e4m3fm'; did you mean"),
         (("explain", "abc"), "cannot read 'abc' as a number"),
         (("explain", "1", "--format", ","), "--format is empty"),
     ]:

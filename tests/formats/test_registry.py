@@ -159,3 +159,29 @@ def test_neighbours() -> None:
 def test_names_in_display_order() -> None:
     assert names()[:5] == ["fp64", "fp32", "tf32", "fp16", "bf16"]
     assert len(names()) == 13
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [("e3m4", (3, 4, 3, "ieee")), ("e5m10", (5, 10, 15, "ieee")), ("e4m2fn", (4, 2, 7, "fn")),
+     ("e3m2fnuz", (3, 2, 4, "fnuz")), ("float8_e3m4", (3, 4, 3, "ieee"))],
+)  # fmt: skip
+def test_any_exmy_spelling_is_a_custom_format(name: str, layout: tuple[int, int, int, str]) -> None:
+    f = get(name)
+    assert (f.exponent_bits, f.mantissa_bits, f.bias, f.special) == layout
+    if name == "e5m10":
+        assert f.max == get("fp16").max and f.tiny == get("fp16").tiny  # fp16's layout
+    if name == "e3m4":  # ml_dtypes' float8_e3m4
+        assert f.max == float(ml_dtypes.finfo(ml_dtypes.float8_e3m4).max)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("fp8", "ambiguous: e4m3fn .* or e5m2"), ("nvfp4", "scaling recipe.*NVFP4"),
+     ("mxfp8", "scaling recipe.*MX\\('e4m3fn'\\)"), ("mxfp6", "MX\\('e3m2fn'\\)"),
+     ("mxfp4", "MX\\('e2m1fn'\\)"), ("zzz", "unknown format 'zzz'\\. Known: fp64"),
+     ("e4m3fm", "did you mean 'e4m3fn'\\? Known")],
+)  # fmt: skip
+def test_names_that_are_not_one_format(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        get(name)

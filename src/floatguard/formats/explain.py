@@ -146,7 +146,14 @@ def explain(
     e_unb: int | None = None
     if finite and stored != 0.0:
         e_unb = max(math.frexp(abs(stored))[1] - 1, f.emin)
-    abs_err = abs(stored - v) if finite and math.isfinite(v) else math.nan
+    if finite and math.isfinite(v):
+        abs_err = abs(stored - v)
+    elif math.isinf(stored) and math.isfinite(v):
+        abs_err = math.inf  # a finite value stored as inf (an overflow): infinitely off
+    elif math.isinf(stored) and stored == v:
+        abs_err = 0.0  # inf stored as itself
+    else:
+        abs_err = math.nan
     rel_err = (
         abs_err / abs(v)
         if v != 0 and not math.isnan(abs_err)

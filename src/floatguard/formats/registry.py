@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -355,8 +356,23 @@ _ALIASES: dict[str, str] = {
     "float6_e3m2fn": "e3m2fn", "fp6_e3m2": "e3m2fn", "e3m2": "e3m2fn",
     "float6_e2m3fn": "e2m3fn", "fp6_e2m3": "e2m3fn", "e2m3": "e2m3fn",
     "float4_e2m1fn": "e2m1fn", "fp4_e2m1": "e2m1fn", "e2m1": "e2m1fn", "fp4": "e2m1fn",
-    "float4_e2m1fn_x2": "e2m1fn", "nvfp4": "e2m1fn", "mxfp4": "e2m1fn",
+    "float4_e2m1fn_x2": "e2m1fn",
 }  # fmt: skip
+# Names that are not one element format: why, and what to use instead.
+_NOT_A_FORMAT: dict[str, str] = {
+    "fp8": "is ambiguous: e4m3fn (max 448, for weights and activations) or e5m2 "
+    "(max 57344, for gradients)",
+    "float8": "is ambiguous: e4m3fn (max 448, for weights and activations) or e5m2 "
+    "(max 57344, for gradients)",
+    "nvfp4": "is a scaling recipe, not an element format: floatguard.scaling.NVFP4() "
+    "(e2m1fn elements, e4m3fn block scales, an fp32 tensor scale)",
+    "mxfp8": "is a scaling recipe, not an element format: floatguard.scaling.MX('e4m3fn') "
+    "(or MX('e5m2')): 32-element blocks with an e8m0fnu scale",
+    "mxfp6": "is a scaling recipe, not an element format: floatguard.scaling.MX('e3m2fn') "
+    "or MX('e2m3fn')",
+    "mxfp4": "is a scaling recipe, not an element format: floatguard.scaling.MX('e2m1fn')",
+}
+_EXMY = re.compile(r"^(?:float\d*_)?e(\d+)m(\d+)(fn|fnuz)?$")
 # Note: "e4m3" is accepted as e4m3fn because that is what every DL stack means by it;
 # the IEEE-like E4M3 (ml_dtypes.float8_e4m3, max 240) is Format.custom(4, 3).
 
@@ -400,10 +416,18 @@ def get(spec: str | torch.dtype | Format) -> Format:
         return FORMATS[key]
     if key in _ALIASES:
         return FORMATS[_ALIASES[key]]
+    if key in _NOT_A_FORMAT:
+        raise ValueError(f"{spec!r} {_NOT_A_FORMAT[key]}")
+    m = _EXMY.match(key)
+    if m:  # any eXmY[fn|fnuz] spelling: a custom format of that layout
+        e, mant, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+        if suffix == "fnuz":  # the fnuz convention (ml_dtypes, AMD): bias 2**(e - 1)
+            return Format.custom(e, mant, special="fnuz", bias=1 << (e - 1) if e else 0)
+        return Format.custom(e, mant, ieee=suffix is None)
     candidates = list(FORMATS) + list(_ALIASES)
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    hint = ""
+    known = ", ".join(FORMATS)
     if close:
         target = _ALIASES.get(close[0], close[0])
-        hint = f"; did you mean {target!r}?"
-    raise ValueError(f"unknown format {spec!r}{hint} Known: {', '.join(FORMATS)}")
+        raise ValueError(f"unknown format {spec!r}; did you mean {target!r}? Known: {known}")
+    raise ValueError(f"unknown format {spec!r}. Known: {known}, or any eXmY (e3m4, e5m2fnuz)")
