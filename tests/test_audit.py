@@ -77,3 +77,54 @@ def test_audit_errors() -> None:
         audit(nn.ReLU(), [torch.ones(2)])
     with pytest.raises(ValueError, match="unknown format"):
         audit(nn.Linear(2, 2), [torch.ones(2)], formats=("fp9",))
+
+
+class _Conv1D(nn.Module):
+    """transformers' Conv1D as GPT-2 uses it: weight (in, out), y = x @ W + b."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+_Conv1D.__name__ = "Conv1D"
+
+
+class _Out:
+    """A Hugging Face-style output: .logits (and .loss when labels are given)."""
+
+    def __init__(self, logits: torch.Tensor, loss: torch.Tensor | None) -> None:
+        self.logits, self.loss = logits, loss
+
+
+class _HFish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = _Conv1D(32, 16)
+        self.up_proj = nn.Linear(32, 8)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> _Out:
+        h = self.up_proj(torch.tanh(self.c_fc(input_ids)))
+        loss = ((h - labels) ** 2).mean() if labels is not None else None
+        return _Out(h, loss)
+
+
+def test_audit_sees_forward_overflow_conv1d_and_hf_outputs() -> None:
+    torch.manual_seed(0)
+    model = _HFish()
+    with torch.no_grad():
+        model.up_proj.weight.mul_(3e5)  # its fp32 output peaks past fp16's 65504
+    batches = [{"input_ids": torch.randn(4, 16) * 50, "labels": torch.randn(4, 8)}]
+    report = audit(model, batches)  # the default loss takes the output's .loss
+    layers = {la.layer: la for la in report.layers}
+    assert set(layers) == {"c_fc", "up_proj"}  # Conv1D covered
+    up = layers["up_proj"]
+    assert up.results["output"]["format:fp16"]["overflow"] > 0
+    assert any(r.startswith("fp16 overflows") and "in the output" in r for r in up.recommendation)
+    assert all("e+" not in r for la in report.layers for r in la.recommendation)  # no 1e+02%
+    logits_only = [{"input_ids": torch.randn(4, 16)}]  # no labels: the mean of .logits
+    assert audit(model, logits_only).layers

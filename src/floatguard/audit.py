@@ -18,7 +18,7 @@ from floatguard.stats import TensorStats, tensor_stats
 
 __all__ = ["AuditReport", "LayerAudit", "audit"]
 
-KINDS = ("activation", "weight", "gradient")
+KINDS = ("activation", "weight", "output", "gradient")
 
 
 @dataclass
@@ -84,6 +84,45 @@ class AuditReport:
         return "\n".join(lines)
 
 
+def _is_gemm(m: nn.Module, modules: tuple[type[nn.Module], ...] | None) -> bool:
+    """The layers audited: ``modules`` if given, else nn.Linear and transformers'
+    ``Conv1D`` (GPT-2's linear layers; matched by name, transformers is not imported)."""
+    if modules is not None:
+        return isinstance(m, modules)
+    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The model's own loss when it returns one (a Hugging Face ``ModelOutput`` with
+    ``.loss``), else the mean of its logits or output. A dict batch is passed as
+    keyword arguments."""
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        found: torch.Tensor = out["loss"]
+        return found
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, dict):
+        logits = out.get("logits")
+    if isinstance(logits, torch.Tensor):
+        return logits.float().mean()
+    if isinstance(out, torch.Tensor):
+        return out.float().mean()
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0].float().mean()
+    raise TypeError(
+        f"audit: cannot make a loss from the model's output ({type(out).__name__}); "
+        "pass loss_fn=lambda model, batch: ..."
+    )
+
+
+def _pct(x: float) -> str:
+    """A fraction as a percentage with three significant digits (never 1e+02%)."""
+    return f"{100 * x:.3g}%"
+
+
 def _sqnr(signal: float, noise: float) -> float:
     if noise == 0:
         return math.inf
@@ -124,12 +163,13 @@ def _recommend(results: dict[str, dict[str, Any]], recipes: Sequence[str]) -> li
             results[k]["format:bf16"]["underflow"] + results[k]["format:bf16"]["overflow"]
             for k in kinds
         )
-        recs.append("bf16 safe" if worst < 1e-3 else f"bf16 loses {100 * worst:.2g}% of values")
+        recs.append("bf16 safe" if worst < 1e-3 else f"bf16 loses {_pct(worst)} of values")
     if "format:fp16" in fmt_keys:
         f16 = get("fp16")
         over = max(results[k]["format:fp16"]["overflow"] for k in kinds)
         if over > 0:
-            recs.append(f"fp16 overflows ({100 * over:.2g}% of values): keep bf16")
+            where = ", ".join(k for k in kinds if results[k]["format:fp16"]["overflow"] > 0)
+            recs.append(f"fp16 overflows ({_pct(over)} of values, in the {where}): keep bf16")
         elif "gradient" in results:
             g = results["gradient"]
             mn, amax = g["min_nonzero"], g["amax"]
@@ -139,12 +179,11 @@ def _recommend(results: dict[str, dict[str, Any]], recipes: Sequence[str]) -> li
                 headroom = math.floor(math.log2(f16.max / amax)) if amax > 0 else 24
                 if k <= headroom:
                     recs.append(
-                        f"fp16 needs a loss scale >= 2^{k} "
-                        f"({100 * under:.2g}% of gradients underflow)"
+                        f"fp16 needs a loss scale >= 2^{k} ({_pct(under)} of gradients underflow)"
                     )
                 else:
                     recs.append(
-                        f"fp16 gradients span more than its range ({100 * under:.2g}% underflow "
+                        f"fp16 gradients span more than its range ({_pct(under)} underflow "
                         "at any safe scale): keep bf16"
                     )
             else:
@@ -159,17 +198,16 @@ def _recommend(results: dict[str, dict[str, Any]], recipes: Sequence[str]) -> li
         b_under = max(results[k][b_key]["underflow"] for k in kinds if b_key in results[k])
         if t_under > 0.01 and b_under < t_under / 2:
             recs.append(
-                f"e4m3 tensor-wise loses {100 * t_under:.2g}% of values to underflow, "
-                f"1x128 blocks {100 * b_under:.2g}%: use block scaling"
+                f"e4m3 tensor-wise loses {_pct(t_under)} of values to underflow, "
+                f"1x128 blocks {_pct(b_under)}: use block scaling"
             )
         elif t_under <= 0.01:
             recs.append(
-                f"e4m3 tensor-wise keeps {100 * (1 - t_under):.3g}% of values: "
-                "tensor-wise is enough"
+                f"e4m3 tensor-wise keeps {_pct(1 - t_under)} of values: tensor-wise is enough"
             )
         else:
             recs.append(
-                f"e4m3 loses {100 * t_under:.2g}% tensor-wise and {100 * b_under:.2g}% with 1x128 "
+                f"e4m3 loses {_pct(t_under)} tensor-wise and {_pct(b_under)} with 1x128 "
                 "blocks: keep this layer in bf16"
             )
     return recs
@@ -182,7 +220,7 @@ def audit(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     formats: Sequence[str] = ("bf16", "fp16", "e4m3fn", "e5m2"),
     recipes: Mapping[str, Recipe] | None = None,
-    modules: tuple[type[nn.Module], ...] = (nn.Linear,),
+    modules: tuple[type[nn.Module], ...] | None = None,
 ) -> AuditReport:
     """Run forward and backward on ``batches`` and audit every matching layer.
 
@@ -203,9 +241,10 @@ def audit(
     )
     accs: dict[str, dict[str, _Acc]] = {}
     handles = []
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, modules)]
+    targets = [(n, m) for n, m in model.named_modules() if _is_gemm(m, modules)]
     if not targets:
-        raise ValueError(f"no module of types {[m.__name__ for m in modules]} in the model")
+        kinds = [m.__name__ for m in modules] if modules else ["Linear", "Conv1D"]
+        raise ValueError(f"no module of types {kinds} in the model")
 
     def forward_hook(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -215,6 +254,9 @@ def audit(
             w = getattr(module, "weight", None)
             if isinstance(w, torch.Tensor):
                 slot["weight"].add(w, fmts, recs)
+            if isinstance(output, torch.Tensor) and output.is_floating_point():
+                # the forward's own result: a matmul that overflows fp16 shows here
+                slot["output"].add(output, fmts, recs)
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(  # type: ignore[no-untyped-call]
                     lambda g: slot["gradient"].add(g, fmts, recs)
@@ -227,8 +269,8 @@ def audit(
     model.zero_grad(set_to_none=True)
     try:
         for batch in batches:
-            loss = loss_fn(model, batch) if loss_fn is not None else model(batch).float().mean()
-            loss.backward()
+            loss = loss_fn(model, batch) if loss_fn is not None else _default_loss(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
     finally:
         for h in handles:
             h.remove()
