@@ -15,6 +15,7 @@ GEMM accumulator keeps about 14 bits).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,10 @@ from floatguard.formats.quantize import quantize
 from floatguard.formats.registry import Format
 from floatguard.scaling.recipes import MX, NVFP4, Block, Recipe, Rowwise, Tensorwise
 
-__all__ = ["EmulatedLinear", "EmulationRecipe", "FakeQuant", "emulate", "fake_quant", "restore"]
+__all__ = [
+    "Coverage", "EmulatedLinear", "EmulationRecipe", "FakeQuant", "emulate", "fake_quant",
+    "restore",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -126,18 +130,26 @@ class EmulatedLinear(nn.Module):
     """``nn.Linear`` computed under an :class:`EmulationRecipe`; shares ``weight`` and
     ``bias`` with the module it replaces (``original``)."""
 
-    def __init__(self, original: nn.Linear, recipe: EmulationRecipe) -> None:
+    def __init__(self, original: nn.Module, recipe: EmulationRecipe) -> None:
         super().__init__()
         self.original = [original]  # a list keeps it out of the module tree
-        self.weight = original.weight
-        self.bias = original.bias
+        weight = getattr(original, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise TypeError(f"cannot emulate {type(original).__name__}: no 2-D weight")
+        self.weight = weight
+        self.bias = getattr(original, "bias", None)
         self.recipe = recipe
-        self.in_features, self.out_features = original.in_features, original.out_features
+        # transformers' Conv1D (GPT-2) stores the weight as (in, out): y = x @ W + b
+        self.transposed = not isinstance(original, nn.Linear)
+        out_f, in_f = (weight.shape[1], weight.shape[0]) if self.transposed else weight.shape
+        self.in_features, self.out_features = int(in_f), int(out_f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.recipe
         xq = fake_quant(x.float(), r.activation)
-        wq = fake_quant(self.weight.float(), r.weight)
+        # Blocks of the weight run along the reduction dim, as for nn.Linear's (out, in).
+        w = self.weight.float().t() if self.transposed else self.weight.float()
+        wq = fake_quant(w, r.weight)
         if r.accumulate_bits is not None:
             y = _accumulated_matmul(xq, wq, r.accumulate_bits, r.accumulate_every)
         else:
@@ -152,37 +164,90 @@ class EmulatedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, recipe={self.recipe}"
 
 
+class Coverage(list[str]):
+    """What :func:`emulate` swapped (the list of names), and what it left in high
+    precision: ``left`` maps a module type to the names of its GEMM-like modules that
+    were skipped or cannot be emulated."""
+
+    def __init__(self, swapped: list[str], left: dict[str, list[str]]) -> None:
+        super().__init__(swapped)
+        self.left = left
+
+    def summary(self) -> str:
+        parts = [f"emulated {len(self)} layer(s)"]
+        parts += [f"left {len(v)} {k} in high precision" for k, v in sorted(self.left.items())]
+        return "; ".join(parts)
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """transformers' Conv1D (matched by name and shape: transformers is not imported)."""
+    w = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+_OTHER_GEMMS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Bilinear, nn.MultiheadAttention)
+
+
 def emulate(
     model: nn.Module,
     recipe: EmulationRecipe,
     *,
-    modules: tuple[type[nn.Module], ...] = (nn.Linear,),
+    modules: tuple[type[nn.Module], ...] | None = None,
     skip: tuple[str, ...] | Callable[[str, nn.Module], bool] = (),
-) -> list[str]:
-    """Swap matching modules in place for emulated ones; returns the swapped names.
+) -> Coverage:
+    """Swap matching modules in place for emulated ones; returns what was covered.
 
-    ``skip`` is a tuple of name substrings (e.g. ``("head",)`` to keep the LM head in
-    high precision, as DeepSeek-V3 does) or a predicate ``(name, module) -> bool``.
-    Only ``nn.Linear`` (and subclasses) can be emulated.
+    Covered: ``nn.Linear`` (and subclasses) and transformers' ``Conv1D`` (GPT-2's
+    linear layers, weight stored (in, out)), or the ``modules`` given (subclasses of
+    nn.Linear). ``skip`` is a tuple of name substrings (e.g. ``("head",)`` to keep the
+    LM head in high precision, as DeepSeek-V3 does) or a predicate ``(name, module) ->
+    bool``. The result lists the swapped names and, in ``.left``, by module type, the
+    GEMM-like modules left in high precision (skipped, or not emulated: nn.Conv1d/2d/3d,
+    nn.Bilinear, the attention matmuls); it is also logged (logger "floatguard").
+    Covering nothing raises ValueError saying why: the model would train in full
+    precision while you believe it is emulated.
     """
     if not isinstance(recipe, EmulationRecipe):
         raise TypeError(f"recipe must be an EmulationRecipe, got {type(recipe).__name__}")
-    for m in modules:
+    for m in modules or ():
         if not (isinstance(m, type) and issubclass(m, nn.Linear)):
             raise ValueError(f"only nn.Linear subclasses can be emulated, got {m!r}")
     swapped: list[str] = []
+    left: dict[str, list[str]] = {}
+    n_skipped = 0
     for name, module in list(model.named_modules()):
-        if not isinstance(module, modules) or isinstance(module, EmulatedLinear) or not name:
+        if isinstance(module, EmulatedLinear) or not name:
+            continue
+        covered = isinstance(module, modules) if modules else (
+            isinstance(module, nn.Linear) or _is_conv1d(module)
+        )  # fmt: skip
+        if not covered:
+            if isinstance(module, _OTHER_GEMMS) or (modules and isinstance(module, nn.Linear)):
+                left.setdefault(type(module).__name__, []).append(name)
             continue
         skipped = skip(name, module) if callable(skip) else any(s in name for s in skip)
         if skipped:
+            left.setdefault(type(module).__name__, []).append(name)
+            n_skipped += 1
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        assert isinstance(module, nn.Linear)
         setattr(parent, child, EmulatedLinear(module, recipe))
         swapped.append(name)
-    return swapped
+    coverage = Coverage(swapped, left)
+    if not swapped:
+        found = sorted(
+            {type(m).__name__ for _, m in model.named_modules()} - {type(model).__name__}
+        )
+        why = (
+            f"every candidate was skipped ({coverage.summary()})"
+            if n_skipped
+            else "the model has no nn.Linear or Conv1D (it has: "
+            f"{', '.join(found[:8]) or 'no submodule'})"
+        )
+        raise ValueError(f"emulate covered no layer: {why}")
+    logging.getLogger("floatguard").info("emulate: %s", coverage.summary())
+    return coverage
 
 
 def restore(model: nn.Module) -> list[str]:

@@ -1,0 +1,70 @@
+"""emulate() covers transformers' Conv1D as the GEMM it is, says what it left in high
+precision, and refuses to cover nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from floatguard.scaling import EmulationRecipe, emulate, restore
+
+
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D as GPT-2 uses it: weight (in, out), x @ W + b."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.05)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, d: int = 128) -> None:
+        super().__init__()
+        self.c_attn = Conv1D(3 * d, d)
+        self.c_proj = Conv1D(d, 3 * d)
+        self.conv = nn.Conv2d(1, 1, 3)  # a GEMM emulate does not cover
+        self.lm_head = nn.Linear(d, 50, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.c_proj(torch.relu(self.c_attn(x))))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [EmulationRecipe.hybrid_tensorwise(), EmulationRecipe.hybrid_block(), EmulationRecipe.mxfp8()],
+    ids=["tensorwise", "block", "mxfp8"],
+)
+def test_conv1d_is_emulated_exactly_as_the_equivalent_linear(recipe: EmulationRecipe) -> None:
+    torch.manual_seed(0)
+    block = GPT2Block()
+    x = torch.randn(4, 128)
+    ref = nn.Linear(128, 384)  # the same GEMM stored the nn.Linear way
+    with torch.no_grad():
+        ref.weight.copy_(block.c_attn.weight.t())
+        ref.bias.copy_(block.c_attn.bias)
+    covered = emulate(block, recipe, skip=("lm_head",))
+    assert list(covered) == ["c_attn", "c_proj"]
+    assert covered.left == {"Conv2d": ["conv"], "Linear": ["lm_head"]}
+    assert "emulated 2 layer(s)" in covered.summary()
+    emulate(wrapper := nn.Sequential(ref), recipe)
+    got = block.c_attn(x)
+    want = wrapper(x)
+    assert torch.equal(got, want)  # bit for bit: the same quantization of the same GEMM
+    assert not torch.equal(got, x @ block.c_attn.weight + block.c_attn.bias)  # and lossy
+    got.sum().backward()
+    assert block.c_attn.weight.grad is not None  # trains through it
+    restore(block)
+    assert isinstance(block.c_attn, Conv1D)
+
+
+def test_covering_nothing_is_an_error_that_says_why() -> None:
+    with pytest.raises(ValueError, match=r"no nn\.Linear or Conv1D \(it has: Conv2d"):
+        emulate(nn.Sequential(nn.Conv2d(1, 1, 3)), EmulationRecipe.hybrid_block())
+    with pytest.raises(ValueError, match=r"every candidate was skipped"):
+        emulate(nn.Sequential(nn.Linear(4, 4)), EmulationRecipe.hybrid_block(), skip=("0",))
