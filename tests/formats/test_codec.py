@@ -69,3 +69,10 @@ def test_encode_rejects_values_off_the_grid() -> None:
 def test_e8m0_codes_are_powers_of_two() -> None:
     vals = decode("e8m0fnu", torch.arange(255))
     assert torch.equal(vals, torch.exp2(torch.arange(-127, 128, dtype=torch.float64)))
+
+
+def test_decode_names_the_out_of_range_code() -> None:
+    with pytest.raises(ValueError, match=r"code 256 is out of range for e4m3fn: .*\[0, 255\]"):
+        decode("e4m3fn", torch.tensor([3, 256, 7]))
+    with pytest.raises(ValueError, match=r"code -1 is out of range"):
+        decode("fp16", torch.tensor([-1]))

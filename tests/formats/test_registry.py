@@ -185,3 +185,10 @@ def test_any_exmy_spelling_is_a_custom_format(name: str, layout: tuple[int, int,
 def test_names_that_are_not_one_format(name: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         get(name)
+
+
+def test_custom_format_arguments_are_checked_where_given() -> None:
+    with pytest.raises(TypeError, match=r"bias must be an int, got 1\.5"):
+        Format.custom(4, 3, bias=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"name must be a str, got 123"):
+        Format.custom(4, 3, name=123)  # type: ignore[arg-type]

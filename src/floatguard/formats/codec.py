@@ -36,8 +36,13 @@ def decode(fmt: Format | str, codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype.is_floating_point or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
     c = codes.to(torch.int64)
-    if f.bits < 64 and c.numel() and (int(c.min()) < 0 or int(c.max()) >= (1 << f.bits)):
-        raise ValueError(f"codes must lie in [0, 2**{f.bits}) for {f.name}")
+    if f.bits < 64 and c.numel():
+        bad = c[(c < 0) | (c >= (1 << f.bits))]
+        if bad.numel():
+            raise ValueError(
+                f"code {int(bad[0])} is out of range for {f.name}: codes must lie in "
+                f"[0, 2**{f.bits}) = [0, {(1 << f.bits) - 1}]"
+            )
     return _decode(f, c)
 
 

@@ -227,6 +227,10 @@ class Format:
         default_bias = (1 << (exponent_bits - 1)) - 1 if exponent_bits >= 1 else 0
         if bias is None:
             bias = default_bias
+        if isinstance(bias, bool) or not isinstance(bias, int):
+            raise TypeError(f"bias must be an int, got {bias!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {name!r}")
         if ieee and not has_nan:
             raise ValueError("has_nan=False only applies to finite formats; pass ieee=False too")
         if special is None:
