@@ -136,3 +136,21 @@ def test_block_pow2_inherits_the_exact_power_of_two() -> None:
     x[0, 0] = a
     r = Block("e4m3fn", (1, 128), scale="pow2")(x)
     assert float(r.scales.reshape(-1)[0]) == 8.0  # 2**4 would overflow 448 by a hair
+
+
+def test_ema_scaler_state_round_trips_and_rowwise_checks_eps() -> None:
+    from floatguard.scaling import EMAScaler, Rowwise
+
+    a = EMAScaler("e4m3fn", margin=1, smoothing=0.5)
+    for v in (2.0, 8.0, 4.0):
+        a(torch.full((4,), v))
+    b = EMAScaler()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(16) * 3
+    ra, rb = a(x), b(x)
+    assert torch.equal(ra.values, rb.values) and torch.equal(ra.scales, rb.scales)
+    assert (b.fmt, b.margin, b.smoothing) == ("e4m3fn", 1, 0.5)
+    with pytest.raises(ValueError, match=r"Rowwise\.eps=-1\.0 must be >= 0"):
+        Rowwise(eps=-1.0)
+    with pytest.raises(ValueError, match=r"Rowwise\.eps=nan"):
+        Rowwise(eps=math.nan)

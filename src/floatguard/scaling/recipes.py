@@ -231,6 +231,10 @@ class Rowwise(Recipe):
 
     def __post_init__(self) -> None:
         get(self.fmt)
+        if not self.eps >= 0:  # (NaN fails too)
+            raise ValueError(f"Rowwise.eps={self.eps!r} must be >= 0")
+        if isinstance(self.axis, bool) or not isinstance(self.axis, int):
+            raise ValueError(f"Rowwise.axis={self.axis!r} must be an int")
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
@@ -487,3 +491,19 @@ class EMAScaler:
             self.amax_ema = torch.where(ok, new, self.amax_ema)
         scale, fell = amax_to_scale_and_fallbacks(self.amax_ema, f, margin=self.margin)
         return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The EMA of the amax (None before the first call), like DelayedScaler's."""
+        ema = None if self.amax_ema is None else self.amax_ema.clone()
+        return {
+            "fmt": self.fmt,
+            "margin": self.margin,
+            "smoothing": self.smoothing,
+            "amax_ema": ema,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        fresh = EMAScaler(sd["fmt"], int(sd["margin"]), float(sd["smoothing"]))
+        self.fmt, self.margin, self.smoothing = fresh.fmt, fresh.margin, fresh.smoothing
+        ema = sd["amax_ema"]
+        self.amax_ema = None if ema is None else torch.as_tensor(ema, dtype=torch.float32).clone()
