@@ -154,3 +154,23 @@ def test_ema_scaler_state_round_trips_and_rowwise_checks_eps() -> None:
         Rowwise(eps=-1.0)
     with pytest.raises(ValueError, match=r"Rowwise\.eps=nan"):
         Rowwise(eps=math.nan)
+
+
+def test_delayed_scaling_nan_skipping_history_and_fractional_margin() -> None:
+    from floatguard.scaling import Delayed
+
+    plain = Delayed("e4m3fn", history_len=4).scaler()
+    skip = Delayed("e4m3fn", history_len=4, skip_nonfinite=True).scaler()
+    for v in (2.0, math.nan, 4.0):
+        rp = plain(torch.full((8,), v))
+        rs = skip(torch.full((8,), v))
+    # TE's plain max: the NaN in the history freezes the scale of step 1 (448 / 2)
+    assert float(plain.scale) == 224.0 and int(rp.fallbacks) == 1  # type: ignore[arg-type]
+    # NaN-skipping: the largest finite entry, 4.0
+    assert float(skip.scale) == f32_nearest(Fraction(448) / 4) and int(rs.fallbacks) == 0  # type: ignore[arg-type]
+    half = Delayed("e4m3fn", history_len=2, margin=0.5).scaler()
+    half(torch.full((4,), 3.0))
+    expected = np.float32(448.0 / 3.0 / 2.0**0.5)  # margin 0.5: sqrt(2) of headroom
+    assert float(half.scale) == pytest.approx(float(expected), rel=2**-23)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Delayed\.margin=inf must be a finite number"):
+        Delayed(margin=math.inf)

@@ -66,7 +66,7 @@ def amax_to_scale(
     amax: torch.Tensor,
     fmt: str | Format,
     *,
-    margin: int = 0,
+    margin: float = 0,
     eps: float = 0.0,
     power_of_two: bool = False,
     fallback: torch.Tensor | float = 1.0,
@@ -82,7 +82,7 @@ def amax_to_scale_and_fallbacks(
     amax: torch.Tensor,
     fmt: str | Format,
     *,
-    margin: int = 0,
+    margin: float = 0,
     eps: float = 0.0,
     power_of_two: bool = False,
     fallback: torch.Tensor | float = 1.0,
@@ -405,12 +405,18 @@ class NVFP4(Recipe):
 class Delayed:
     """Delayed scaling (TE DelayedScaling): the scale for this step comes from the amax
     history of previous steps, ``fmt.max / amax_h / 2**margin`` with ``amax_h`` the max
-    (``algo="max"``) or the most recent entry of the last ``history_len`` amaxes."""
+    (``algo="max"``) or the most recent entry of the last ``history_len`` amaxes.
+
+    ``margin`` may be fractional (``2**0.5`` of headroom). ``skip_nonfinite``: the history
+    maximum ignores NaN/inf entries (TE's NaN-skipping reduction), so one bad step does
+    not freeze the scale for ``history_len`` steps; by default a non-finite maximum keeps
+    the previous scale (TE's plain rule), counted as a fallback."""
 
     fmt: str = "e4m3fn"
     history_len: int = 16
     algo: Literal["max", "most_recent"] = "max"
-    margin: int = 0
+    margin: float = 0
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         get(self.fmt)
@@ -418,6 +424,12 @@ class Delayed:
             raise ValueError(f"Delayed.history_len={self.history_len!r} must be an int >= 1")
         if self.algo not in ("max", "most_recent"):
             raise ValueError(f"Delayed.algo={self.algo!r}; use 'max' or 'most_recent'")
+        if (
+            isinstance(self.margin, bool)
+            or not isinstance(self.margin, (int, float))
+            or (not math.isfinite(self.margin))
+        ):
+            raise ValueError(f"Delayed.margin={self.margin!r} must be a finite number")
 
     def scaler(self) -> DelayedScaler:
         return DelayedScaler(self)
@@ -447,7 +459,10 @@ class DelayedScaler:
         self.history = torch.roll(self.history, 1)
         self.history[0] = amax
         self.steps += 1
-        amax_h = self.history.amax() if self.recipe.algo == "max" else self.history[0]
+        h = self.history
+        if self.recipe.skip_nonfinite:  # the largest finite entry (0 when none: falls back)
+            h = torch.where(torch.isfinite(h), h, torch.zeros_like(h))
+        amax_h = h.amax() if self.recipe.algo == "max" else h[0]
         self.scale, fell = amax_to_scale_and_fallbacks(
             amax_h, f, margin=self.recipe.margin, fallback=self.scale
         )
