@@ -24,6 +24,7 @@ from floatguard.scaling.recipes import (
     amax_to_scale,
     amax_to_scale_and_fallbacks,
     quant_metrics,
+    tensor_to_amax,
 )
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "fake_quant",
     "quant_metrics",
     "restore",
+    "tensor_to_amax",
 ]

@@ -46,6 +46,7 @@ __all__ = [
     "amax_to_scale",
     "amax_to_scale_and_fallbacks",
     "quant_metrics",
+    "tensor_to_amax",
 ]
 
 
@@ -125,6 +126,18 @@ def amax_to_scale_and_fallbacks(
     fb = torch.as_tensor(fallback, dtype=torch.float32, device=a.device)
     scale = torch.where(usable, scale, fb)
     return scale, ~usable | (usable & overflow)
+
+
+def tensor_to_amax(
+    x: torch.Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False
+) -> torch.Tensor:
+    """``max |x|`` in float32, over ``dim`` (all of x when None; 0 for an empty tensor).
+    NaN propagates (a NaN amax is a fallback downstream). Detached, no sync. The one
+    amax expression of every recipe (torchao's ``tensor_to_amax``)."""
+    a = x.detach().abs()
+    if dim is None:
+        return a.amax().float() if x.numel() else torch.zeros((), device=x.device)
+    return a.amax(dim=dim, keepdim=keepdim).float()
 
 
 def _fq(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -212,7 +225,7 @@ class Tensorwise(Recipe):
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
-        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        amax = tensor_to_amax(x)
         scale, fell = amax_to_scale_and_fallbacks(
             amax, f, eps=self.eps, power_of_two=self.power_of_two
         )
@@ -238,7 +251,7 @@ class Rowwise(Recipe):
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
-        amax = x.detach().abs().amax(dim=self.axis, keepdim=True).float()
+        amax = tensor_to_amax(x, self.axis, keepdim=True)
         scale, fell = amax_to_scale_and_fallbacks(
             amax, f, eps=self.eps, power_of_two=self.power_of_two
         )
@@ -281,7 +294,7 @@ class Block(Recipe):
         pr, pc = (-rows) % br, (-cols) % bc
         xp = torch.nn.functional.pad(x2.float(), (0, pc, 0, pr))
         blocks = xp.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
-        amax = blocks.detach().abs().amax(dim=(1, 3), keepdim=True)
+        amax = tensor_to_amax(blocks, (1, 3), keepdim=True)
         s, fell = amax_to_scale_and_fallbacks(amax, f, power_of_two=self.scale == "pow2")
         q = (quantize(blocks * s, f, overflow="saturate") / s).reshape(rows + pr, cols + pc)
         q = q[:rows, :cols].reshape(x.shape).to(x.dtype)
@@ -349,7 +362,7 @@ class MX(Recipe):
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.element)
         blocks, pad = _blocks_last(x.float(), self.block)
-        amax = blocks.detach().abs().amax(dim=-1, keepdim=True)
+        amax = tensor_to_amax(blocks, -1, keepdim=True)
         scale = torch.exp2(self.exponents(amax))  # the E8M0 scale value 2**X
         q = quantize(blocks / scale, f, overflow="saturate") * scale
         q = q.reshape(*q.shape[:-2], -1)
@@ -375,7 +388,7 @@ class NVFP4(Recipe):
     def __call__(self, x: torch.Tensor) -> QuantResult:
         e2m1, e4m3 = get("e2m1fn"), get("e4m3fn")
         xf = x.float()
-        amax_t = xf.detach().abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+        amax_t = tensor_to_amax(xf)
         # One correctly rounded quotient (float64, rounded once to float32); a tiny amax
         # whose quotient overflows float32 gets FLT_MAX, never inf (which would turn the
         # whole tensor into zeros).
@@ -386,7 +399,7 @@ class NVFP4(Recipe):
         )
         fell = ~ok | (ok & (q64 > FLT_MAX))
         blocks, pad = _blocks_last(xf, self.block)
-        amax_b = blocks.detach().abs().amax(dim=-1, keepdim=True)
+        amax_b = tensor_to_amax(blocks, -1, keepdim=True)
         stored = quantize(amax_b / e2m1.max * s_enc, e4m3, overflow="saturate")
         dec = stored / s_enc  # the block's decode scale in real units
         safe = torch.where(dec > 0, dec, torch.ones_like(dec))
@@ -455,7 +468,7 @@ class DelayedScaler:
             self.scale = torch.ones((), device=x.device)
         values = _fq(x, self.scale, f).to(x.dtype)
         used = self.scale.clone()
-        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        amax = tensor_to_amax(x)
         self.history = torch.roll(self.history, 1)
         self.history[0] = amax
         self.steps += 1
@@ -497,7 +510,7 @@ class EMAScaler:
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
-        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        amax = tensor_to_amax(x)
         ok = torch.isfinite(amax)
         if self.amax_ema is None:
             self.amax_ema = torch.where(ok, amax, torch.zeros_like(amax))
