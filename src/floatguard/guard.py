@@ -37,7 +37,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -299,9 +299,9 @@ class Guard:
             raise TypeError(f"Guard needs an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Guard needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if precision not in ("fp32", "bf16", "fp16"):
+        if precision not in get_args(Precision):
             raise ValueError(f"precision={precision!r}; use 'fp32', 'bf16' or 'fp16'")
-        if watch not in ("replay", "hooks", "off"):
+        if watch not in get_args(Watch):
             raise ValueError(f"watch={watch!r}; use 'replay' (default), 'hooks' or 'off'")
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if not opt_params:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -61,6 +61,9 @@ class QuantResult:
 
 
 FLT_MAX = float.fromhex("0x1.fffffep127")  # float32's largest value, ~3.4028e38
+MXScaleMode = Literal["floor", "ceil", "even", "rceil"]
+AmaxAlgo = Literal["max", "most_recent"]
+BlockScale = Literal["fp32", "pow2"]
 
 
 def amax_to_scale(
@@ -267,13 +270,13 @@ class Block(Recipe):
 
     fmt: str = "e4m3fn"
     block: tuple[int, int] = (1, 128)
-    scale: Literal["fp32", "pow2"] = "fp32"
+    scale: BlockScale = "fp32"
 
     def __post_init__(self) -> None:
         get(self.fmt)
         if len(self.block) != 2 or any(not isinstance(b, int) or b < 1 for b in self.block):
             raise ValueError(f"Block.block={self.block!r} must be two positive ints")
-        if self.scale not in ("fp32", "pow2"):
+        if self.scale not in get_args(BlockScale):
             raise ValueError(f"Block.scale={self.scale!r}; use 'fp32' or 'pow2'")
 
     @classmethod
@@ -317,7 +320,7 @@ class MX(Recipe):
 
     element: str = "e4m3fn"
     block: int = 32
-    scale_mode: Literal["floor", "ceil", "even", "rceil"] = "floor"
+    scale_mode: MXScaleMode = "floor"
 
     def __post_init__(self) -> None:
         if get(self.element).name not in ("e4m3fn", "e5m2", "e2m3fn", "e3m2fn", "e2m1fn"):
@@ -326,7 +329,7 @@ class MX(Recipe):
             )
         if not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"MX.block={self.block!r} must be a positive int")
-        if self.scale_mode not in ("floor", "ceil", "even", "rceil"):
+        if self.scale_mode not in get_args(MXScaleMode):
             raise ValueError(f"MX.scale_mode={self.scale_mode!r}; use floor, ceil, even or rceil")
 
     def exponents(self, amax: torch.Tensor) -> torch.Tensor:
@@ -427,7 +430,7 @@ class Delayed:
 
     fmt: str = "e4m3fn"
     history_len: int = 16
-    algo: Literal["max", "most_recent"] = "max"
+    algo: AmaxAlgo = "max"
     margin: float = 0
     skip_nonfinite: bool = False
 
@@ -435,7 +438,7 @@ class Delayed:
         get(self.fmt)
         if not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"Delayed.history_len={self.history_len!r} must be an int >= 1")
-        if self.algo not in ("max", "most_recent"):
+        if self.algo not in get_args(AmaxAlgo):
             raise ValueError(f"Delayed.algo={self.algo!r}; use 'max' or 'most_recent'")
         if (
             isinstance(self.margin, bool)

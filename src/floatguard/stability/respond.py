@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from floatguard.stability.clip import ZClipConfig
 
 __all__ = ["ClipPolicy", "GuardStopped", "ResponsePolicy", "SpikePolicy"]
+
+ClipKind = Literal["zclip", "norm", "value", "none"]
+DetectorKind = Literal["robust", "lesson"]
+SnapshotErrorPolicy = Literal["retry", "disable", "raise"]
 
 
 class GuardStopped(RuntimeError):
@@ -24,14 +28,14 @@ class ClipPolicy:
     """``kind="zclip"`` (default, ``zclip`` holds its settings), ``"norm"`` (clip the
     total norm to ``max_norm``), ``"value"`` (clamp elements to ``max_value``) or ``"none"``."""
 
-    kind: Literal["zclip", "norm", "value", "none"] = "zclip"
+    kind: ClipKind = "zclip"
     max_norm: float = 1.0
     max_value: float = 1.0
     norm_type: float = 2.0
     zclip: ZClipConfig = field(default_factory=ZClipConfig)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("zclip", "norm", "value", "none"):
+        if self.kind not in get_args(ClipKind):
             raise ValueError(
                 f"ClipPolicy.kind={self.kind!r}; use 'zclip', 'norm', 'value' or 'none'"
             )
@@ -46,7 +50,7 @@ class SpikePolicy:
 
     watch_loss: bool = True
     watch_grad_norm: bool = False
-    detector: Literal["robust", "lesson"] = "robust"
+    detector: DetectorKind = "robust"
     window: int = 50
     z: float = 6.0
     warmup: int = 10
@@ -54,7 +58,7 @@ class SpikePolicy:
     patience: int = 1
 
     def __post_init__(self) -> None:
-        if self.detector not in ("robust", "lesson"):
+        if self.detector not in get_args(DetectorKind):
             raise ValueError(f"SpikePolicy.detector={self.detector!r}; use 'robust' or 'lesson'")
         if not isinstance(self.window, int) or self.window < 3:
             raise ValueError(f"SpikePolicy.window={self.window!r} must be an int >= 3")
@@ -106,7 +110,7 @@ class ResponsePolicy:
     snapshot_dir: str | None = None
     snapshot_keep: int = 2
     disk_every: int = 1
-    on_snapshot_error: Literal["retry", "disable", "raise"] = "retry"
+    on_snapshot_error: SnapshotErrorPolicy = "retry"
     transient_warn_after: int = 3
 
     def __post_init__(self) -> None:
@@ -129,7 +133,7 @@ class ResponsePolicy:
             raise ValueError(
                 f"ResponsePolicy.skip_batches={self.skip_batches!r} must be an int >= 0"
             )
-        if self.on_snapshot_error not in ("retry", "disable", "raise"):
+        if self.on_snapshot_error not in get_args(SnapshotErrorPolicy):
             raise ValueError(
                 f"ResponsePolicy.on_snapshot_error={self.on_snapshot_error!r}; use 'retry', "
                 "'disable' or 'raise'"
