@@ -378,3 +378,21 @@ def test_fp32_of_float64_inputs_equals_ieee_conversion() -> None:
     got = quantize(x, "fp32")
     ref = x.float().double()  # IEEE round-to-nearest-even, subnormals and overflow included
     assert bool(same_bits(got, ref).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "ceil", "floor"])
+@pytest.mark.parametrize("overflow", ["saturate", "nonsaturate"])
+def test_formats_wider_than_the_input_round_in_float64(
+    dtype: torch.dtype, rounding: str, overflow: str
+) -> None:
+    """fp64 (and wide custom formats) from narrower inputs: computed exactly in float64,
+    never 'value cannot be converted to type float without overflow'."""
+    x = torch.tensor([1.0, -3.3, 1e-3, 0.0, math.inf, math.nan], dtype=dtype)
+    q = quantize(x, "fp64", rounding=rounding, overflow=overflow)  # type: ignore[arg-type]
+    fin = torch.isfinite(x)
+    assert torch.equal(q[fin], x[fin]) and bool(torch.isnan(q[-1]))
+    wide = Format.custom(9, 3, bias=-200)  # every float32 value is below its smallest normal
+    got = quantize(torch.tensor([-4.8, 1.0]), wide)
+    ref = quantize(torch.tensor([-4.8, 1.0], dtype=torch.float64), wide).float()
+    assert torch.equal(got, ref)

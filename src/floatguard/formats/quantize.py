@@ -437,6 +437,16 @@ def quantize(
         raise ValueError(f"subnormals={subnormals!r} is not supported; use one of {_SUBNORMALS}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if x.dtype != torch.float64 and f.max > torch.finfo(x.dtype).max:
+        # The format holds values x's dtype cannot (fp64, a wide custom format): round
+        # exactly in float64, then back to x's dtype (which can round again, as above).
+        if subnormals == "flush":  # denormals-are-zero in x's own dtype, before widening
+            x = torch.where(x.abs() < torch.finfo(x.dtype).tiny, x * 0, x)
+        wide = quantize(
+            x.double(), f, rounding=rounding, overflow=overflow, subnormals=subnormals,
+            generator=generator,
+        )  # fmt: skip
+        return wide.to(x.dtype)
     if x.requires_grad and torch.is_grad_enabled():
         out: torch.Tensor = _StraightThrough.apply(  # type: ignore[no-untyped-call]
             x, f, rounding, overflow, subnormals, generator
