@@ -511,7 +511,7 @@ class Guard:
         if bad_param is not None:
             return bad_param
         if closures and self.watch != "off":
-            return self._replay(step, closures, math.isfinite(read.loss))
+            return self._replay(step, closures, read)
         return read.monitor_fault
 
     def _bad_parameter(self, step: int) -> Fault | None:
@@ -543,7 +543,7 @@ class Guard:
                 return Fault(step, "param", owner, role, kind, shape, None, "parameter", None, True)
         return None
 
-    def _replay(self, step: int, closures: Sequence[Closure], loss_was_finite: bool) -> Fault:
+    def _replay(self, step: int, closures: Sequence[Closure], read: _Read) -> Fault:
         """Re-run the step from its starting state under the op-level replay."""
         after = self._state.rng_now()
         self.optimizer.zero_grad(set_to_none=True)
@@ -559,9 +559,13 @@ class Guard:
         set_rng_state(after)
         if found is not None and reproduced:
             return _fault_from_replay(step, found, True)
-        phase: Literal["loss", "backward"] = "backward" if loss_was_finite else "loss"
-        tensor = "grad" if loss_was_finite else "loss"
-        return Fault(step, phase, "", tensor, "nan", (), None, None, None, reproduced)
+        # Not localized (or not reproduced): what the read saw, where it saw it.
+        loss_ok = math.isfinite(read.loss)
+        phase: Literal["loss", "backward"] = "backward" if loss_ok else "loss"
+        seen = read.grad_norm if loss_ok else read.loss
+        kind: Literal["nan", "inf"] = "nan" if math.isnan(seen) else "inf"
+        return Fault(step, phase, "", "grad" if loss_ok else "loss", kind, (), None, None, None,
+                     reproduced)  # fmt: skip
 
     def _step_is_bad(self) -> bool:
         """Whether the replayed step was bad again (loss or a gradient non-finite)."""

@@ -190,9 +190,8 @@ def run_demo(
             for g in opt.param_groups:
                 g["lr"] = lr
         result.losses.append(loss)
-        if not guarded and result.died_at is None and not math.isfinite(loss):
-            if all(not math.isfinite(v) for v in result.losses[-1:]) and _dead(model):
-                result.died_at = step
+        if not guarded and result.died_at is None and not math.isfinite(loss) and _dead(model):
+            result.died_at = step  # a non-finite loss from a weight no step can heal
         if on_step is not None:
             on_step(step, r, loss)
     result.seconds = time.perf_counter() - start
