@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard.formats.quantize import quantize
 from floatguard.formats.registry import get
-from floatguard.scaling.recipes import Block, Recipe, Tensorwise
+from floatguard.formats.rounding import quantize
+from floatguard.scaling.recipes import Block, TensorRecipe, Tensorwise
 from floatguard.stats import TensorStats, tensor_stats
 
 __all__ = ["AuditReport", "LayerAudit", "audit"]
@@ -28,7 +28,9 @@ class _Acc:
     noise: dict[str, float] = field(default_factory=dict)
     flushed: dict[str, int] = field(default_factory=dict)
 
-    def add(self, t: torch.Tensor, formats: Sequence[str], recipes: Mapping[str, Recipe]) -> None:
+    def add(
+        self, t: torch.Tensor, formats: Sequence[str], recipes: Mapping[str, TensorRecipe]
+    ) -> None:
         t = t.detach().float()
         st = tensor_stats(t)
         self.stats = st if self.stats is None else self.stats.merge(st)
@@ -219,7 +221,7 @@ def audit(
     *,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     formats: Sequence[str] = ("bf16", "fp16", "e4m3fn", "e5m2"),
-    recipes: Mapping[str, Recipe] | None = None,
+    recipes: Mapping[str, TensorRecipe] | None = None,
     modules: tuple[type[nn.Module], ...] | None = None,
 ) -> AuditReport:
     """Run forward and backward on ``batches`` and audit every matching layer.

@@ -3,7 +3,7 @@
 ``ML_DTYPES`` maps our format names to ml_dtypes' types. ``brute_round`` rounds by
 searching the sorted table of every finite value of a format (decoded by ml_dtypes
 where it has the format), in float64: slow, obvious, and independent of the
-bit tricks in floatguard.formats.quantize.
+bit tricks in floatguard.formats.rounding.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from .reference import (
     special_values,
 )
 
-quantize_module = sys.modules["floatguard.formats.quantize"]
+quantize_module = sys.modules["floatguard.formats.rounding"]
 
 ML_CASES: list[tuple[Format, object]] = [(FORMATS[n], dt) for n, dt in ML_DTYPES.items()] + list(
     ML_CUSTOM.values()
@@ -396,3 +396,36 @@ def test_formats_wider_than_the_input_round_in_float64(
     got = quantize(torch.tensor([-4.8, 1.0]), wide)
     ref = quantize(torch.tensor([-4.8, 1.0], dtype=torch.float64), wide).float()
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("exp_bits", [5, 8, 9])
+def test_no_mantissa_ties_go_up_for_every_input_dtype(dtype: torch.dtype, exp_bits: int) -> None:
+    """With m = 0 the kept significand is the implied 1 (odd): a tie between 2**k and
+    2**(k+1) goes up, as docs/formats.md says, whatever the input dtype (float32 inputs
+    went down on the bit-pattern path: Format.custom(8, 0) gave 3.0 -> 2.0)."""
+    fmt = Format.custom(exp_bits, 0)
+    g = torch.Generator().manual_seed(exp_bits)
+    k = torch.randint(-12, 12, (2000,), generator=g).double()
+    ties = torch.exp2(k) * 1.5
+    x = torch.cat([ties, -ties, torch.tensor([3.0, 0.75, 2.9, 3.1, math.inf, -math.inf])])
+    x = x.to(dtype)
+    got = quantize(x, fmt)
+    ref = quantize(x.double(), fmt)  # computed on the float64 grid (magic add, ties even)
+    assert torch.equal(got.double(), ref.to(dtype).double())
+    head = got[:2000].double()
+    assert torch.equal(head, torch.exp2(k + 1).to(dtype).double())  # every tie went up
+    assert got[-6:-2].tolist() == [4.0, 1.0, 2.0, 4.0]
+    assert got[-2].item() == math.inf and got[-1].item() == -math.inf  # inf stays inf
+
+
+def test_the_name_quantize_is_the_function_not_a_module() -> None:
+    """The rounding engine lives in floatguard.formats.rounding; nothing shadows the
+    function floatguard.formats.quantize (it was also the module's name)."""
+    import importlib.util
+
+    import floatguard.formats as formats
+
+    assert formats.quantize is quantize and callable(formats.quantize)
+    assert importlib.util.find_spec("floatguard.formats.quantize") is None
+    assert quantize_module.quantize is quantize

@@ -28,7 +28,7 @@ class GPT2Block(nn.Module):
         super().__init__()
         self.c_attn = Conv1D(3 * d, d)
         self.c_proj = Conv1D(d, 3 * d)
-        self.conv = nn.Conv2d(1, 1, 3)  # a GEMM emulate does not cover
+        self.conv = nn.Conv3d(1, 1, 3)  # a GEMM emulate does not cover
         self.lm_head = nn.Linear(d, 50, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ def test_conv1d_is_emulated_exactly_as_the_equivalent_linear(recipe: EmulationRe
         ref.bias.copy_(block.c_attn.bias)
     covered = emulate(block, recipe, skip=("lm_head",))
     assert list(covered) == ["c_attn", "c_proj"]
-    assert covered.left == {"Conv2d": ["conv"], "Linear": ["lm_head"]}
+    assert covered.left == {"Conv3d": ["conv"], "Linear": ["lm_head"]}
     assert "emulated 2 layer(s)" in covered.summary()
     emulate(wrapper := nn.Sequential(ref), recipe)
     got = block.c_attn(x)
@@ -64,7 +64,9 @@ def test_conv1d_is_emulated_exactly_as_the_equivalent_linear(recipe: EmulationRe
 
 
 def test_covering_nothing_is_an_error_that_says_why() -> None:
-    with pytest.raises(ValueError, match=r"no nn\.Linear or Conv1D \(it has: Conv2d"):
-        emulate(nn.Sequential(nn.Conv2d(1, 1, 3)), EmulationRecipe.hybrid_block())
+    with pytest.raises(
+        ValueError, match=r"no nn\.Linear, Conv1D, nn\.Conv1d or nn\.Conv2d \(it has: Conv3d"
+    ):
+        emulate(nn.Sequential(nn.Conv3d(1, 1, 3)), EmulationRecipe.hybrid_block())
     with pytest.raises(ValueError, match=r"every candidate was skipped"):
         emulate(nn.Sequential(nn.Linear(4, 4)), EmulationRecipe.hybrid_block(), skip=("0",))

@@ -80,8 +80,10 @@ def test_accumulation_emulation() -> None:
 def test_bad_emulate_arguments() -> None:
     with pytest.raises(TypeError, match="EmulationRecipe"):
         emulate(nn.Linear(2, 2), Tensorwise())  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"only nn.Linear"):
-        emulate(nn.Linear(2, 2), EmulationRecipe.mxfp8(), modules=(nn.Conv1d,))
+    with pytest.raises(
+        ValueError, match=r"only subclasses of nn\.Linear, nn\.Conv1d or nn\.Conv2d"
+    ):
+        emulate(nn.Linear(2, 2), EmulationRecipe.mxfp8(), modules=(nn.Conv3d,))
 
 
 def test_tiny_gpt_trains_under_hybrid_block_scaling() -> None:

@@ -235,3 +235,66 @@ def test_metrics() -> None:
     ms = quant_metrics(y, r.values, "e4m3fn", scale=r.scales)
     assert ms["overflow_pct"] == 0.0 and ms["subnormal_pct"] == 25.0  # 1e-2 * 0.25: subnormal
     assert quant_metrics(y, r.values, "e4m3fn")["overflow_pct"] == 25.0  # unscaled view
+
+
+def _nvfp4_tile_reference(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """NVFP4 from the formula, tile by tile (NVIDIA's NVFP4 recipe, TE's reference
+    quantizer): S = 6*448 / amax_tensor, stored = e4m3(amax_tile / 6 * S), elements
+    e2m1(x * S / stored) (ml_dtypes' float4_e2m1fn, saturated to +-6), back q * stored / S."""
+    import ml_dtypes
+    import numpy as np
+
+    s_enc = np.float32((6.0 * 448.0) / float(x.abs().max()))  # exact quotient, rounded once
+    out = torch.zeros_like(x)
+    tr, tc = tile
+    for i in range(0, x.shape[0], tr):
+        for j in range(0, x.shape[1], tc):
+            t = x[i : i + tr, j : j + tc]
+            amax_b = np.float32(float(t.abs().max()))
+            b_dec = torch.tensor(float(amax_b / np.float32(6.0) * s_enc))
+            stored = np.float32(b_dec.to(torch.float8_e4m3fn).float())
+            dec = np.float32(stored / s_enc)
+            if dec == 0:
+                continue
+            scaled = np.clip(t.numpy() / dec, -6.0, 6.0).astype(np.float32)
+            q = scaled.astype(ml_dtypes.float4_e2m1fn).astype(np.float32) * dec
+            out[i : i + tr, j : j + tc] = torch.from_numpy(q.astype(np.float32))
+    return out
+
+
+def test_nvfp4_two_dimensional_weight_tiles() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 56, generator=g)  # partial tiles on both edges
+    w[5, 7], w[33, 50] = 30.0, -0.001
+    r = NVFP4(two_d=True)(w)
+    assert torch.equal(r.values, _nvfp4_tile_reference(w, (16, 16)))
+    assert r.scales.numel() == 1 + 3 * 4  # the tensor scale, then one e4m3 scale per tile
+    one_d = NVFP4()(w)
+    assert torch.equal(one_d.values, _nvfp4_tile_reference(w, (1, 16)))
+    # Tiles are square: W and W^T quantize to transposes of each other (not so in 1-D).
+    wt = NVFP4(two_d=True)(w[:32, :48].t().contiguous()).values
+    assert torch.equal(wt, NVFP4(two_d=True)(w[:32, :48]).values.t())
+    w1 = w[:32, :48]
+    assert not torch.equal(NVFP4()(w1.t().contiguous()).values, NVFP4()(w1).values.t())
+
+
+def test_nvfp4_stochastic_rounding_is_unbiased_between_neighbours() -> None:
+    x = torch.linspace(-5.0, 5.0, 160).reshape(10, 16)
+    x[0, 0] = 6.0  # every block's scale is the same: amax 6 per block keeps the grid at 1x
+    x[:, 0] = 6.0
+    nearest = NVFP4()(x)
+    torch.manual_seed(0)
+    n = 5000  # the rows repeated: every copy has the same scales, one call draws them all
+    draws = NVFP4(rounding="stochastic")(x.repeat(n, 1)).values.reshape(n, 10, 16)
+    dec = nearest.scales[1:].reshape(10, 1) / nearest.scales[0]
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    v = (x / dec).abs()
+    lo = grid[(grid.reshape(1, 1, -1) <= v.unsqueeze(-1)).sum(-1) - 1] * dec
+    hi = grid[torch.clamp((grid.reshape(1, 1, -1) < v.unsqueeze(-1)).sum(-1), max=7)] * dec
+    mag = draws.abs()
+    assert bool(((mag == lo) | (mag == hi)).all())  # always one of the two neighbours
+    mean = draws.mean(0)
+    assert torch.allclose(mean, x, atol=0.06)  # unbiased (sd of a mean <= 1/sqrt(n) = 0.014)
+    assert not torch.allclose(nearest.values, x, atol=0.06)  # nearest is biased here
+    with pytest.raises(ValueError, match="rounding"):
+        NVFP4(rounding="up")  # type: ignore[arg-type]

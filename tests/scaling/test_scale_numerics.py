@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from floatguard.formats import get
-from floatguard.scaling import MX, NVFP4, Block, Tensorwise, amax_to_scale_and_fallbacks
+from floatguard.scaling import MX, NVFP4, Block, Rowwise, Tensorwise, amax_to_scale_and_fallbacks
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -150,7 +150,7 @@ def test_ema_scaler_state_round_trips_and_rowwise_checks_eps() -> None:
     ra, rb = a(x), b(x)
     assert torch.equal(ra.values, rb.values) and torch.equal(ra.scales, rb.scales)
     assert (b.fmt, b.margin, b.smoothing) == ("e4m3fn", 1, 0.5)
-    with pytest.raises(ValueError, match=r"Rowwise\.eps=-1\.0 must be >= 0"):
+    with pytest.raises(ValueError, match=r"Rowwise\.eps=-1\.0 must be a number >= 0"):
         Rowwise(eps=-1.0)
     with pytest.raises(ValueError, match=r"Rowwise\.eps=nan"):
         Rowwise(eps=math.nan)
@@ -174,3 +174,101 @@ def test_delayed_scaling_nan_skipping_history_and_fractional_margin() -> None:
     assert float(half.scale) == pytest.approx(float(expected), rel=2**-23)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"Delayed\.margin=inf must be a finite number"):
         Delayed(margin=math.inf)
+
+
+# --- Decode-scale storage: DeepGEMM and DeepSeek-V3 ------------------------------------
+# References written from the published formulas (DeepGEMM deep_gemm/utils:
+# per_token_cast_to_fp8 / per_block_cast_to_fp8, ceil_to_ue8m0; DeepSeek-V3 inference
+# kernel.py act_quant): amax over a 1x128 (128x128) tile clamped to 1e-4, sf = amax / 448
+# in float32, optionally sf = 2**ceil(log2 sf) (UE8M0), q = e4m3(x * (1 / sf)) (DeepGEMM)
+# or e4m3(x / sf) (DeepSeek-V3), dequantized q * sf. torch's float32 division is the
+# correctly rounded IEEE one, so these torch expressions *are* the references' arithmetic.
+
+
+def _ceil_pow2_exact(v: torch.Tensor) -> torch.Tensor:
+    out = []
+    for a in v.reshape(-1).tolist():
+        k = math.frexp(a)[1]  # a = m * 2**k, m in [0.5, 1)
+        out.append(2.0 ** (k - 1) if a == 2.0 ** (k - 1) else 2.0**k)
+    return torch.tensor(out, dtype=torch.float32).reshape(v.shape)
+
+
+def _deepgemm_reference(
+    x: torch.Tensor, block: tuple[int, int], ue8m0: bool, divide: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = x.shape
+    br, bc = block
+    xb = x.view(m // br, br, n // bc, bc)
+    amax = xb.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    sf = amax / 448.0
+    if ue8m0:
+        sf = _ceil_pow2_exact(sf)
+    xs = xb / sf if divide else xb * (1.0 / sf)
+    q = xs.to(torch.float8_e4m3fn).float() * sf
+    return q.view(m, n), sf.reshape(m // br, n // bc)
+
+
+def _tiles_with_edge_amaxes(rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    spread = torch.exp2(torch.randint(-30, 30, (rows, 1), generator=g))
+    x = torch.randn(rows, 256, generator=g) * spread
+    edge = [0.0, 1e-45, 1e-40, 1.17549435e-38, 1e-5, 1e-4, 448.0, 448.0 * 2**-3, 3.0, 7.0]
+    up = np.float32(np.inf)
+    edge += [float(np.nextafter(np.float32(448.0 * 2.0**k), up)) for k in (-5, 0, 4)]
+    edge += [float(np.nextafter(np.float32(2.0**k), np.float32(0))) for k in (-12, 0, 7)]
+    for i, a in enumerate(edge):
+        x[i] = x[i] / x[i].abs().max() * a if a else 0.0  # row i's amax is exactly a
+    return x
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+def test_decode_storage_is_bit_exact_with_deepgemm(ue8m0: bool, block: tuple[int, int]) -> None:
+    x = _tiles_with_edge_amaxes(256)
+    r = (Block.deepgemm_activation if block == (1, 128) else Block.deepgemm_weight)(ue8m0)
+    got = r(x)
+    ref_q, ref_sf = _deepgemm_reference(x, block, ue8m0, divide=False)
+    assert torch.equal(got.scales, ref_sf)  # the decode scales, as stored
+    assert torch.equal(got.values, ref_q)
+    assert int(got.fallbacks) == 0  # the eps floor keeps every tile usable
+
+
+def test_decode_div_is_bit_exact_with_deepseek_act_quant() -> None:
+    x = _tiles_with_edge_amaxes(64)
+    r = Block("e4m3fn", (1, 128), eps=1e-4, storage="decode_div")
+    ref_q, ref_sf = _deepgemm_reference(x, (1, 128), False, divide=True)
+    got = r(x)
+    assert torch.equal(got.scales, ref_sf) and torch.equal(got.values, ref_q)
+    # x / sf and x * (1 / sf) are different roundings: a value whose quotient sits next to
+    # an e4m3 midpoint (2.625, between 2.5 and 2.75) goes different ways in the two modes.
+    pair = torch.tensor([[0.005770162679255009, 0.9847743511199951]])
+    div = Block("e4m3fn", (1, 128), eps=1e-4, storage="decode_div")(pair).values
+    mul = Block("e4m3fn", (1, 128), eps=1e-4, storage="decode_mul")(pair).values
+    sf = pair[0, 1] / 448.0
+    assert torch.equal(div[0, 0], (pair[0, 0] / sf).to(torch.float8_e4m3fn).float() * sf)
+    assert torch.equal(mul[0, 0], (pair[0, 0] * (1.0 / sf)).to(torch.float8_e4m3fn).float() * sf)
+    assert not torch.equal(div[0, 0], mul[0, 0])
+
+
+def test_decode_storage_in_tensorwise_and_rowwise_and_its_edges() -> None:
+    x = _tiles_with_edge_amaxes(32)
+    for r, amax in (
+        (Tensorwise(storage="decode_mul"), x.abs().amax()),
+        (Rowwise(storage="decode_mul"), x.abs().amax(-1, keepdim=True)),
+    ):
+        res = r(x)
+        sf = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        sf = torch.clamp(sf, min=2.0**-126)  # below it, 1 / sf would overflow
+        ref = (x * (1.0 / sf)).to(torch.float8_e4m3fn).float() * sf
+        assert torch.equal(res.values, ref) and torch.equal(res.scales, sf)
+    # An all-zero row without eps falls back to 1.0 and stays zero; a subnormal amax whose
+    # decode scale is below the smallest normal keeps its values and counts.
+    z = Rowwise(storage="decode_mul")(torch.tensor([[0.0, 0.0], [1e-40, -5e-41]]))
+    assert z.scales.reshape(-1).tolist() == [1.0, 2.0**-126]
+    assert z.values[1, 0].item() != 0 and int(z.fallbacks) == 2
+    # inf/NaN amax: the fallback scale, counted; NaN stays NaN
+    nanres = Tensorwise(storage="decode_div")(torch.tensor([1.0, math.nan]))
+    assert nanres.scales.item() == 1.0 and math.isnan(nanres.values[1].item())
+    for bad in ({"storage": "decode"}, {"eps": -1.0}, {"eps": math.nan}, {"eps": True}):
+        with pytest.raises(ValueError, match=r"storage|eps"):
+            Block(**bad)  # type: ignore[arg-type]

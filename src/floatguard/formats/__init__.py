@@ -2,8 +2,8 @@
 
 from floatguard.formats.codec import decode, encode
 from floatguard.formats.explain import Explanation, explain
-from floatguard.formats.quantize import Overflow, Rounding, Subnormals, default_overflow, quantize
 from floatguard.formats.registry import FORMATS, Format, SpecialEncoding, get, names
+from floatguard.formats.rounding import Overflow, Rounding, Subnormals, default_overflow, quantize
 
 __all__ = [
     "FORMATS",

@@ -1,7 +1,7 @@
 """Bit codes of a format: decode any code to its value, encode representable values to codes.
 
 These are exact, vectorised, and independent of the fast rounding paths in
-:mod:`floatguard.formats.quantize`, so each checks the other in the tests.
+:mod:`floatguard.formats.rounding`, so each checks the other in the tests.
 Codes are int64 tensors holding the format's bit pattern in the low ``fmt.bits``
 bits (a 4- or 6-bit code is a small integer, as ml_dtypes stores it in a byte).
 """

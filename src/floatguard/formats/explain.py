@@ -9,8 +9,8 @@ from typing import Literal
 import torch
 
 from floatguard.formats.codec import encode
-from floatguard.formats.quantize import Overflow, Rounding, default_overflow, quantize
 from floatguard.formats.registry import Format, get
+from floatguard.formats.rounding import Overflow, Rounding, default_overflow, quantize
 
 __all__ = ["Explanation", "ValueClass", "explain", "parse_value"]
 

@@ -1,10 +1,12 @@
 """How values are kept inside a format's window: loss scaling, master weights, FP8 recipes."""
 
 from floatguard.scaling.fake_quant import (
+    EmulatedConv,
     EmulatedLinear,
     EmulationRecipe,
     FakeQuant,
     emulate,
+    emulated_sdpa,
     fake_quant,
     restore,
 )
@@ -18,8 +20,8 @@ from floatguard.scaling.recipes import (
     DelayedScaler,
     EMAScaler,
     QuantResult,
-    Recipe,
     Rowwise,
+    TensorRecipe,
     Tensorwise,
     amax_to_scale,
     amax_to_scale_and_fallbacks,
@@ -35,19 +37,29 @@ __all__ = [
     "DelayedScaler",
     "DynamicLossScaler",
     "EMAScaler",
+    "EmulatedConv",
     "EmulatedLinear",
     "EmulationRecipe",
     "FakeQuant",
     "MasterWeights",
     "QuantResult",
-    "Recipe",
     "Rowwise",
+    "TensorRecipe",
     "Tensorwise",
     "amax_to_scale",
     "amax_to_scale_and_fallbacks",
     "emulate",
+    "emulated_sdpa",
     "fake_quant",
     "quant_metrics",
     "restore",
     "tensor_to_amax",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Recipe":  # deprecated alias of TensorRecipe (see floatguard.scaling.recipes)
+        from floatguard.scaling import recipes
+
+        return recipes.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

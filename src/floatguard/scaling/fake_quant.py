@@ -1,11 +1,17 @@
-"""Fake-quant training: Linear layers that compute as an FP8/MX/NVFP4 GEMM would, on a CPU.
+"""Fake-quant training: GEMMs computed as an FP8/MX/NVFP4 GEMM would, on a CPU.
 
-``emulate(model, EmulationRecipe.hybrid_block())`` swaps every matching
-``nn.Linear`` in place for an :class:`EmulatedLinear` that shares its parameters
-(the optimizer keeps working); in forward it quantizes the input and the weight
-with their recipes and multiplies in float32, in backward it quantizes the output
-gradient with the gradient recipe (E5M2 in the HYBRID recipes) before both
-gradient GEMMs. ``restore(model)`` swaps the original modules back.
+``emulate(model, EmulationRecipe.hybrid_block())`` swaps, in place, every
+``nn.Linear`` (and transformers' ``Conv1D``) for an :class:`EmulatedLinear` and
+every ``nn.Conv1d``/``nn.Conv2d`` for an :class:`EmulatedConv`, each sharing the
+original's parameters (the optimizer keeps working). In forward they quantize the
+GEMM's input and weight with their recipes and multiply in float32; in backward
+they quantize the output gradient with the gradient recipe (E5M2 in the HYBRID
+recipes) before both gradient GEMMs. A convolution is computed as the implicit
+GEMM it is (im2col: the reduction runs over ``in_channels / groups * kernel``), so
+block scales run along the same dim as a GEMM kernel's. With ``attention=True``
+the two matmuls inside ``F.scaled_dot_product_attention`` (``q k^T`` and ``p v``)
+are emulated too, as FP8 attention kernels compute them. ``restore(model)`` undoes
+all of it.
 
 Optional accumulation emulation: round the partial sums to ``accumulate_bits``
 mantissa bits every ``accumulate_every`` elements of the reduction (DeepSeek-V3
@@ -16,20 +22,23 @@ GEMM accumulator keeps about 14 bits).
 from __future__ import annotations
 
 import logging
+import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from floatguard.formats.quantize import quantize
 from floatguard.formats.registry import Format
-from floatguard.scaling.recipes import MX, NVFP4, Block, Recipe, Rowwise, Tensorwise
+from floatguard.formats.rounding import quantize
+from floatguard.scaling.recipes import MX, NVFP4, Block, Rowwise, TensorRecipe, Tensorwise
 
 __all__ = [
-    "Coverage", "EmulatedLinear", "EmulationRecipe", "FakeQuant", "emulate", "fake_quant",
-    "restore",
+    "Coverage", "EmulatedConv", "EmulatedLinear", "EmulationRecipe", "FakeQuant", "emulate",
+    "emulated_sdpa", "fake_quant", "restore",
 ]  # fmt: skip
 
 
@@ -39,9 +48,9 @@ class EmulationRecipe:
     ``grad`` (the output gradient in backward; None = straight-through, not quantized).
     ``accumulate_bits`` / ``accumulate_every``: optional accumulator emulation."""
 
-    activation: Recipe
-    weight: Recipe
-    grad: Recipe | None = None
+    activation: TensorRecipe
+    weight: TensorRecipe
+    grad: TensorRecipe | None = None
     accumulate_bits: int | None = None
     accumulate_every: int = 128
 
@@ -86,6 +95,22 @@ class EmulationRecipe:
         """NVFP4 activations and weights, straight-through gradients."""
         return cls(NVFP4(), NVFP4(), None)
 
+    @classmethod
+    def nvfp4_training(cls) -> EmulationRecipe:
+        """NVIDIA's NVFP4 training recipe (NVIDIA, "Pretraining Large Language Models with
+        NVFP4", 2025): 1x16 activation blocks, 16x16 weight tiles, 1x16 gradient blocks
+        with stochastic rounding. (Its random Hadamard transform of the weight-gradient
+        inputs, and the layers it keeps in BF16, are not emulated: skip those layers.)"""
+        return cls(NVFP4(), NVFP4(two_d=True), NVFP4(rounding="stochastic"))
+
+    @classmethod
+    def deepgemm(cls, ue8m0: bool = False) -> EmulationRecipe:
+        """DeepGEMM's casts (decode scales ``amax / 448``, amax floored at 1e-4, ``x * (1/sf)``):
+        1x128 e4m3 activation and gradient tiles, 128x128 weight blocks; ``ue8m0``: the
+        scales are powers of two (rounded up), as on Blackwell."""
+        act = Block.deepgemm_activation(ue8m0)
+        return cls(act, Block.deepgemm_weight(ue8m0), act)
+
 
 class FakeQuant(torch.autograd.Function):
     """Forward: quantize with a recipe. Backward: straight-through, or quantize the
@@ -93,19 +118,19 @@ class FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, recipe: Recipe | None, grad_recipe: Recipe | None
+        ctx: Any, x: torch.Tensor, recipe: TensorRecipe | None, grad_recipe: TensorRecipe | None
     ) -> torch.Tensor:
         ctx.grad_recipe = grad_recipe
         return x if recipe is None else recipe(x).values
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        gr: Recipe | None = ctx.grad_recipe
+        gr: TensorRecipe | None = ctx.grad_recipe
         return (g if gr is None else gr(g).values), None, None
 
 
 def fake_quant(
-    x: torch.Tensor, recipe: Recipe | None, grad_recipe: Recipe | None = None
+    x: torch.Tensor, recipe: TensorRecipe | None, grad_recipe: TensorRecipe | None = None
 ) -> torch.Tensor:
     """Differentiable fake quantization (see :class:`FakeQuant`)."""
     out: torch.Tensor = FakeQuant.apply(x, recipe, grad_recipe)  # type: ignore[no-untyped-call]
@@ -126,36 +151,57 @@ def _accumulated_matmul(a: torch.Tensor, b_t: torch.Tensor, bits: int, every: in
     return out
 
 
-class EmulatedLinear(nn.Module):
-    """``nn.Linear`` computed under an :class:`EmulationRecipe`; shares ``weight`` and
-    ``bias`` with the module it replaces (``original``)."""
+def _emulated_gemm(a: torch.Tensor, w: torch.Tensor, r: EmulationRecipe) -> torch.Tensor:
+    """``a @ w.T`` (a: [..., K], w: [N, K], float32) as the low-precision GEMM computes it:
+    both operands quantized with blocks along the reduction dim K, the product in float32
+    (or with the accumulator emulated), the output gradient quantized in backward."""
+    aq = fake_quant(a, r.activation)
+    wq = fake_quant(w, r.weight)
+    if r.accumulate_bits is not None:
+        y = _accumulated_matmul(aq, wq, r.accumulate_bits, r.accumulate_every)
+    else:
+        y = aq @ wq.T
+    # The output gradient is what both backward GEMMs consume: quantize it once here.
+    return fake_quant(y, None, r.grad)
+
+
+class _Emulated(nn.Module):
+    """Common part of the emulated modules: the original (outside the module tree) and
+    its parameters, shared."""
 
     def __init__(self, original: nn.Module, recipe: EmulationRecipe) -> None:
         super().__init__()
         self.original = [original]  # a list keeps it out of the module tree
         weight = getattr(original, "weight", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            raise TypeError(f"cannot emulate {type(original).__name__}: no 2-D weight")
+        if not isinstance(weight, nn.Parameter):
+            raise TypeError(f"cannot emulate {type(original).__name__}: no weight parameter")
         self.weight = weight
         self.bias = getattr(original, "bias", None)
         self.recipe = recipe
+
+    def original_module(self) -> nn.Module:
+        """The module this one replaced (what :func:`restore` puts back)."""
+        return self.original[0]
+
+
+class EmulatedLinear(_Emulated):
+    """``nn.Linear`` (or transformers' ``Conv1D``) computed under an :class:`EmulationRecipe`;
+    shares ``weight`` and ``bias`` with the module it replaces (``original``)."""
+
+    def __init__(self, original: nn.Module, recipe: EmulationRecipe) -> None:
+        super().__init__(original, recipe)
+        if self.weight.dim() != 2:
+            raise TypeError(f"cannot emulate {type(original).__name__}: no 2-D weight")
         # transformers' Conv1D (GPT-2) stores the weight as (in, out): y = x @ W + b
         self.transposed = not isinstance(original, nn.Linear)
-        out_f, in_f = (weight.shape[1], weight.shape[0]) if self.transposed else weight.shape
+        shape = self.weight.shape
+        out_f, in_f = (shape[1], shape[0]) if self.transposed else shape
         self.in_features, self.out_features = int(in_f), int(out_f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = self.recipe
-        xq = fake_quant(x.float(), r.activation)
         # Blocks of the weight run along the reduction dim, as for nn.Linear's (out, in).
         w = self.weight.float().t() if self.transposed else self.weight.float()
-        wq = fake_quant(w, r.weight)
-        if r.accumulate_bits is not None:
-            y = _accumulated_matmul(xq, wq, r.accumulate_bits, r.accumulate_every)
-        else:
-            y = xq @ wq.T
-        # The output gradient is what both backward GEMMs consume: quantize it once here.
-        y = fake_quant(y, None, r.grad)
+        y = _emulated_gemm(x.float(), w, self.recipe)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
@@ -164,17 +210,193 @@ class EmulatedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, recipe={self.recipe}"
 
 
-class Coverage(list[str]):
-    """What :func:`emulate` swapped (the list of names), and what it left in high
-    precision: ``left`` maps a module type to the names of its GEMM-like modules that
-    were skipped or cannot be emulated."""
+def _pair(v: Any, n: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
-    def __init__(self, swapped: list[str], left: dict[str, list[str]]) -> None:
+
+class EmulatedConv(_Emulated):
+    """``nn.Conv1d`` / ``nn.Conv2d`` computed as the implicit GEMM a low-precision conv
+    kernel runs: the input unfolded (im2col) into ``[N, L, C/groups * k]`` rows, the weight
+    as ``[out/groups, C/groups * k]``, both quantized along that reduction dim, multiplied
+    per group in float32. Any padding mode, stride, dilation, groups, ``padding="same"``
+    and unbatched inputs. Memory: the unfolded input is ``k`` times the input (this is an
+    emulator, not a fast conv)."""
+
+    def __init__(self, original: nn.Module, recipe: EmulationRecipe) -> None:
+        super().__init__(original, recipe)
+        if not isinstance(original, (nn.Conv1d, nn.Conv2d)):
+            raise TypeError(
+                f"EmulatedConv emulates nn.Conv1d/nn.Conv2d, not {type(original).__name__}"
+            )
+        self.conv: nn.Conv1d | nn.Conv2d = original
+        self.spatial = 1 if isinstance(original, nn.Conv1d) else 2
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x with the conv's padding applied (the GEMM then runs with padding 0)."""
+        c, n = self.conv, self.spatial
+        k, d = _pair(c.kernel_size, n), _pair(c.dilation, n)
+        if c.padding == "valid":
+            return x
+        if c.padding == "same":  # total d*(k-1), the extra one on the right (as torch does)
+            total = [di * (ki - 1) for di, ki in zip(d, k, strict=True)]
+            pads: list[int] = []
+            for t in reversed(total):
+                pads += [t // 2, t - t // 2]
+        else:
+            pads = []
+            for p in reversed(_pair(c.padding, n)):
+                pads += [int(p), int(p)]
+        if not any(pads):
+            return x
+        mode = "constant" if c.padding_mode == "zeros" else c.padding_mode
+        return F.pad(x, pads, mode=mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, n = self.conv, self.spatial
+        unbatched = x.dim() == n + 1
+        xb = x.unsqueeze(0) if unbatched else x
+        xp = self._padded(xb.float())
+        k, s, d = _pair(c.kernel_size, n), _pair(c.stride, n), _pair(c.dilation, n)
+        if n == 1:  # a 1-D conv is a 2-D one over a height of 1
+            xp, k, s, d = xp.unsqueeze(2), (1, *k), (1, *s), (1, *d)
+        batch, _, h, w_in = xp.shape
+        h_out = (h - d[0] * (k[0] - 1) - 1) // s[0] + 1
+        w_out = (w_in - d[1] * (k[1] - 1) - 1) // s[1] + 1
+        cols = F.unfold(xp, k, dilation=d, stride=s)  # [N, C*kh*kw, L], C-major like weight
+        g = c.groups
+        cols = cols.reshape(batch, g, -1, h_out * w_out).transpose(-1, -2)  # [N, g, L, K]
+        wg = self.weight.float().reshape(g, c.out_channels // g, -1)  # [g, out/g, K]
+        ys = [_emulated_gemm(cols[:, i], wg[i], self.recipe) for i in range(g)]
+        y = torch.cat(ys, dim=-1).transpose(1, 2)  # [N, out, L]
+        y = y.reshape(batch, c.out_channels, h_out, w_out)
+        if n == 1:
+            y = y.squeeze(2)
+        if self.bias is not None:
+            y = y + self.bias.float().reshape(-1, *([1] * n))
+        if unbatched:
+            y = y.squeeze(0)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.conv.extra_repr()}, recipe={self.recipe}"  # type: ignore[no-untyped-call]
+
+
+def emulated_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    recipe: EmulationRecipe,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with its two matmuls emulated, as FP8 attention
+    kernels compute them: ``q``, ``k`` quantized along the head dim for ``S = q k^T``;
+    the probabilities ``P`` (along the keys) and ``v`` (along the keys too: the reduction
+    of ``P v``) quantized for the output; the gradients of S and of the output quantized
+    with the gradient recipe. The scale ``1/sqrt(E)``, the mask and the softmax run in
+    float32; a row with every key masked gives 0 (torch's math backend's safe softmax)."""
+    r = recipe
+    q, k, v = query.float(), key.float(), value.float()
+    if enable_gqa and k.size(-3) != q.size(-3):
+        rep = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    n_q, n_k = q.size(-2), k.size(-2)
+    sc = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    qq = fake_quant(q, r.activation)
+    kq = fake_quant(k, r.activation)
+    s = fake_quant(qq @ kq.transpose(-2, -1), None, r.grad) * sc
+    if is_causal:
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -math.inf)
+        else:
+            s = s + attn_mask.float()
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)
+    if dropout_p > 0.0:
+        p = F.dropout(p, dropout_p, training=True)
+    pq = fake_quant(p, r.activation)
+    vq = fake_quant(v.transpose(-2, -1), r.activation).transpose(-2, -1)
+    out = fake_quant(pq @ vq, None, r.grad)
+    return out.to(query.dtype)
+
+
+class _AttentionHooks:
+    """Root-module hooks that emulate ``F.scaled_dot_product_attention`` while the model
+    runs. The function is replaced in ``torch.nn.functional`` for the duration of the
+    forward (and put back after it, also when it raises): a TorchFunctionMode would not
+    see the call nn.MultiheadAttention makes inside ``F.multi_head_attention_forward``.
+    A name imported with ``from torch.nn.functional import scaled_dot_product_attention``
+    before emulate() is not replaced; nor are attention matmuls written with
+    ``torch.matmul`` (a forward that calls no SDPA logs a warning once). Not thread-safe:
+    two threads running forwards at once would share the replacement."""
+
+    def __init__(self, model: nn.Module, recipe: EmulationRecipe) -> None:
+        self.recipe = recipe
+        self.depth = 0
+        self.calls = 0
+        self.calls_before = 0
+        self.warned = False
+        self.saved: Any = None
+        self.handles = [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def _sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        return emulated_sdpa(*args, recipe=self.recipe, **kwargs)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self.depth == 0:
+            self.calls_before = self.calls
+            self.saved = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = self._sdpa
+        self.depth += 1
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            F.scaled_dot_product_attention = self.saved
+            if self.calls == self.calls_before and not self.warned:
+                self.warned = True
+                logging.getLogger("floatguard").warning(
+                    "emulate(attention=True): %s's forward called no "
+                    "scaled_dot_product_attention; its attention matmuls (if any, e.g. an "
+                    "eager torch.matmul implementation) ran in high precision",
+                    type(module).__name__,
+                )
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+_ATTENTION: weakref.WeakKeyDictionary[nn.Module, _AttentionHooks] = weakref.WeakKeyDictionary()
+
+
+class Coverage(list[str]):
+    """What :func:`emulate` swapped (the list of names), what it left in high precision
+    (``left`` maps a module type to the names of its GEMM-like modules that were skipped
+    or cannot be emulated), and whether the attention matmuls are emulated."""
+
+    def __init__(
+        self, swapped: list[str], left: dict[str, list[str]], attention: bool = False
+    ) -> None:
         super().__init__(swapped)
         self.left = left
+        self.attention = attention
 
     def summary(self) -> str:
         parts = [f"emulated {len(self)} layer(s)"]
+        if self.attention:
+            parts[0] += " and the scaled_dot_product_attention matmuls"
         parts += [f"left {len(v)} {k} in high precision" for k, v in sorted(self.left.items())]
         return "; ".join(parts)
 
@@ -185,7 +407,18 @@ def _is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
 
 
-_OTHER_GEMMS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Bilinear, nn.MultiheadAttention)
+# GEMM-like modules emulate() cannot cover: reported as left in high precision.
+# nn.MultiheadAttention's projections are Parameters it uses itself (its out_proj is
+# never called as a module), so its children are reported with it, not swapped.
+_OTHER_GEMMS = (nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                nn.Bilinear, nn.MultiheadAttention)  # fmt: skip
+_EMULATABLE = (nn.Linear, nn.Conv1d, nn.Conv2d)
+
+
+def _emulated_for(module: nn.Module, recipe: EmulationRecipe) -> _Emulated:
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        return EmulatedConv(module, recipe)
+    return EmulatedLinear(module, recipe)
 
 
 def emulate(
@@ -194,35 +427,53 @@ def emulate(
     *,
     modules: tuple[type[nn.Module], ...] | None = None,
     skip: tuple[str, ...] | Callable[[str, nn.Module], bool] = (),
+    attention: bool = False,
 ) -> Coverage:
     """Swap matching modules in place for emulated ones; returns what was covered.
 
-    Covered: ``nn.Linear`` (and subclasses) and transformers' ``Conv1D`` (GPT-2's
-    linear layers, weight stored (in, out)), or the ``modules`` given (subclasses of
-    nn.Linear). ``skip`` is a tuple of name substrings (e.g. ``("head",)`` to keep the
-    LM head in high precision, as DeepSeek-V3 does) or a predicate ``(name, module) ->
-    bool``. The result lists the swapped names and, in ``.left``, by module type, the
-    GEMM-like modules left in high precision (skipped, or not emulated: nn.Conv1d/2d/3d,
-    nn.Bilinear, the attention matmuls); it is also logged (logger "floatguard").
-    Covering nothing raises ValueError saying why: the model would train in full
-    precision while you believe it is emulated.
+    Covered: ``nn.Linear`` (and subclasses), transformers' ``Conv1D`` (GPT-2's linear
+    layers, weight stored (in, out)), ``nn.Conv1d`` and ``nn.Conv2d`` (as implicit GEMMs,
+    :class:`EmulatedConv`), or only the ``modules`` given (subclasses of those).
+    ``skip`` is a tuple of name substrings (e.g. ``("head",)`` to keep the LM head in
+    high precision, as DeepSeek-V3 does) or a predicate ``(name, module) -> bool``.
+    ``attention=True`` also emulates the two matmuls of every
+    ``F.scaled_dot_product_attention`` the model calls (:func:`emulated_sdpa`; eager
+    attention written with ``torch.matmul`` is not seen, and a forward that calls no SDPA
+    logs a warning once). The result lists the swapped names and, in ``.left``, by module
+    type, the GEMM-like modules left in high precision (skipped, or not emulated:
+    nn.Conv3d, transposed convs, nn.Bilinear, nn.MultiheadAttention's projections); it
+    is also logged (logger "floatguard"). Covering nothing raises
+    ValueError saying why: the model would train in full precision while you believe it
+    is emulated.
     """
     if not isinstance(recipe, EmulationRecipe):
         raise TypeError(f"recipe must be an EmulationRecipe, got {type(recipe).__name__}")
     for m in modules or ():
-        if not (isinstance(m, type) and issubclass(m, nn.Linear)):
-            raise ValueError(f"only nn.Linear subclasses can be emulated, got {m!r}")
+        if not (isinstance(m, type) and issubclass(m, _EMULATABLE)):
+            raise ValueError(
+                f"only subclasses of nn.Linear, nn.Conv1d or nn.Conv2d can be emulated, got {m!r}"
+            )
+    if model in _ATTENTION and attention:
+        raise ValueError(
+            "emulate(attention=True) was already applied to this model; restore() first"
+        )
     swapped: list[str] = []
     left: dict[str, list[str]] = {}
     n_skipped = 0
+    inside_mha: list[str] = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, EmulatedLinear) or not name:
+        if isinstance(module, _Emulated) or not name:
             continue
+        if any(name.startswith(p + ".") for p in inside_mha):
+            left.setdefault("MultiheadAttention", []).append(name)
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            inside_mha.append(name)
         covered = isinstance(module, modules) if modules else (
-            isinstance(module, nn.Linear) or _is_conv1d(module)
+            isinstance(module, _EMULATABLE) or _is_conv1d(module)
         )  # fmt: skip
         if not covered:
-            if isinstance(module, _OTHER_GEMMS) or (modules and isinstance(module, nn.Linear)):
+            if isinstance(module, _OTHER_GEMMS) or (modules and isinstance(module, _EMULATABLE)):
                 left.setdefault(type(module).__name__, []).append(name)
             continue
         skipped = skip(name, module) if callable(skip) else any(s in name for s in skip)
@@ -232,31 +483,37 @@ def emulate(
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, EmulatedLinear(module, recipe))
+        setattr(parent, child, _emulated_for(module, recipe))
         swapped.append(name)
-    coverage = Coverage(swapped, left)
-    if not swapped:
+    coverage = Coverage(swapped, left, attention)
+    if not swapped and not attention:
         found = sorted(
             {type(m).__name__ for _, m in model.named_modules()} - {type(model).__name__}
         )
         why = (
             f"every candidate was skipped ({coverage.summary()})"
             if n_skipped
-            else "the model has no nn.Linear or Conv1D (it has: "
+            else "the model has no nn.Linear, Conv1D, nn.Conv1d or nn.Conv2d (it has: "
             f"{', '.join(found[:8]) or 'no submodule'})"
         )
         raise ValueError(f"emulate covered no layer: {why}")
+    if attention:
+        _ATTENTION[model] = _AttentionHooks(model, recipe)
     logging.getLogger("floatguard").info("emulate: %s", coverage.summary())
     return coverage
 
 
 def restore(model: nn.Module) -> list[str]:
-    """Undo :func:`emulate`: put every original module back; returns their names."""
+    """Undo :func:`emulate`: put every original module back and stop emulating the
+    attention matmuls; returns the names of the modules put back."""
     names = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, EmulatedLinear):
+        if isinstance(module, _Emulated):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, module.original[0])
+            setattr(parent, child, module.original_module())
             names.append(name)
+    hooks = _ATTENTION.pop(model, None)
+    if hooks is not None:
+        hooks.remove()
     return names

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from floatguard.formats.quantize import quantize
+from floatguard.formats.rounding import quantize
 
 __all__ = ["MasterWeights"]
 

@@ -29,8 +29,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from floatguard.formats.quantize import quantize
 from floatguard.formats.registry import Format, get
+from floatguard.formats.rounding import quantize
 
 __all__ = [
     "MX",
@@ -40,8 +40,8 @@ __all__ = [
     "DelayedScaler",
     "EMAScaler",
     "QuantResult",
-    "Recipe",
     "Rowwise",
+    "TensorRecipe",
     "Tensorwise",
     "amax_to_scale",
     "amax_to_scale_and_fallbacks",
@@ -61,9 +61,11 @@ class QuantResult:
 
 
 FLT_MAX = float.fromhex("0x1.fffffep127")  # float32's largest value, ~3.4028e38
+FLT_MIN = 2.0**-126  # float32's smallest normal
 MXScaleMode = Literal["floor", "ceil", "even", "rceil"]
 AmaxAlgo = Literal["max", "most_recent"]
 BlockScale = Literal["fp32", "pow2"]
+ScaleStorage = Literal["encode", "decode_mul", "decode_div"]
 
 
 def amax_to_scale(
@@ -150,6 +152,68 @@ def _fq(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     return q / scale
 
 
+def _decode_scale(
+    amax: torch.Tensor, fmt: Format, *, eps: float, power_of_two: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The *decode* scale ``sf = max(amax, eps) / fmt.max`` (float32, one rounding, as
+    DeepSeek-V3's and DeepGEMM's casts compute it), and a mask of those that fell back.
+
+    ``power_of_two``: UE8M0 scales, ``2**ceil(log2(sf))`` with the exponent taken exactly
+    from the bits (DeepGEMM's ``ceil_to_ue8m0`` goes through a float32 ``log2``, which
+    can land on the integer just above a power of two; we never do). An amax of 0 (with
+    ``eps=0``) or non-finite falls back to 1.0; an ``sf`` below float32's smallest normal
+    (whose reciprocal would overflow; the references give inf there) is raised to it and
+    counted as a fallback.
+    """
+    a = amax.to(torch.float32)
+    denom = torch.clamp(a, min=eps) if eps > 0 else a
+    sf = (denom.to(torch.float64) / fmt.max).to(torch.float32)  # == denom / fmt.max in fp32
+    if power_of_two:
+        m, e = torch.frexp(sf)  # sf = m * 2**e, m in [0.5, 1): ceil(log2 sf) = e - (m == 0.5)
+        sf = torch.ldexp(torch.ones_like(sf), torch.where(m == 0.5, e - 1, e))
+    usable = torch.isfinite(a) & (denom > 0)
+    tiny = usable & (sf < FLT_MIN)
+    sf = torch.where(tiny, torch.full_like(sf, FLT_MIN), sf)
+    sf = torch.where(usable, sf, torch.ones_like(sf))
+    return sf, ~usable | tiny
+
+
+def _scaled_quantize(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    fmt: Format,
+    *,
+    eps: float,
+    power_of_two: bool,
+    storage: ScaleStorage,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fake-quantize x (float32) with scales from ``amax`` (broadcastable to x), in the
+    ``storage`` convention; returns (values, the scales as stored, fallback mask).
+
+    - ``"encode"`` (Transformer Engine, torchao): ``s = fmt.max / amax``,
+      ``quantize(x * s) / s``; the stored scale is s.
+    - ``"decode_mul"`` (DeepGEMM's ``per_token_cast_to_fp8`` / ``per_block_cast_to_fp8``):
+      ``sf = amax / fmt.max``, ``quantize(x * (1 / sf)) * sf``; the stored scale is sf.
+    - ``"decode_div"`` (DeepSeek-V3's inference ``act_quant``): ``quantize(x / sf) * sf``.
+    """
+    if storage == "encode":
+        s, fell = amax_to_scale_and_fallbacks(amax, fmt, eps=eps, power_of_two=power_of_two)
+        return _fq(x, s, fmt), s, fell
+    sf, fell = _decode_scale(amax, fmt, eps=eps, power_of_two=power_of_two)
+    xf = x.to(torch.float32)
+    xs = xf * (1.0 / sf) if storage == "decode_mul" else xf / sf
+    return quantize(xs, fmt, overflow="saturate") * sf, sf, fell
+
+
+def _check_storage(owner: str, storage: object, eps: object) -> None:
+    if storage not in get_args(ScaleStorage):
+        raise ValueError(
+            f"{owner}.storage={storage!r}; use one of {', '.join(get_args(ScaleStorage))}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{owner}.eps={eps!r} must be a number >= 0 (DeepSeek uses 1e-4)")
+
+
 def quant_metrics(
     x: torch.Tensor,
     q: torch.Tensor,
@@ -201,8 +265,12 @@ def _blocks_last(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return x.reshape(*x.shape[:-1], -1, block), pad
 
 
-class Recipe:
-    """Base of the current-scaling recipes: ``__call__(x) -> QuantResult``."""
+class TensorRecipe:
+    """How *one tensor* is scaled and quantized (Tensorwise, Rowwise, Block, MX, NVFP4):
+    ``__call__(x) -> QuantResult``. Not to be confused with
+    :class:`~floatguard.scaling.EmulationRecipe`, which picks a TensorRecipe for each
+    operand of a GEMM (activation, weight, gradient). Called ``Recipe`` in 0.1.0;
+    that name still works, with a DeprecationWarning."""
 
     def __call__(self, x: torch.Tensor) -> QuantResult:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -213,30 +281,30 @@ class Recipe:
 
 
 @dataclass(frozen=True)
-class Tensorwise(Recipe):
+class Tensorwise(TensorRecipe):
     """One scale for the whole tensor from its current amax (TE Float8CurrentScaling,
     torchao tensorwise)."""
 
     fmt: str = "e4m3fn"
     power_of_two: bool = False
     eps: float = 0.0
+    storage: ScaleStorage = "encode"
 
     def __post_init__(self) -> None:
         get(self.fmt)
-        if self.eps < 0:
-            raise ValueError(f"Tensorwise.eps={self.eps!r} must be >= 0")
+        _check_storage("Tensorwise", self.storage, self.eps)
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
         amax = tensor_to_amax(x)
-        scale, fell = amax_to_scale_and_fallbacks(
-            amax, f, eps=self.eps, power_of_two=self.power_of_two
+        q, scale, fell = _scaled_quantize(
+            x, amax, f, eps=self.eps, power_of_two=self.power_of_two, storage=self.storage
         )
-        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum())
+        return QuantResult(q.to(x.dtype), scale, fell.sum())
 
 
 @dataclass(frozen=True)
-class Rowwise(Recipe):
+class Rowwise(TensorRecipe):
     """One scale per slice along ``axis`` (torchao rowwise: per row of activations, per
     output channel of weights)."""
 
@@ -244,33 +312,40 @@ class Rowwise(Recipe):
     axis: int = -1
     power_of_two: bool = False
     eps: float = 0.0
+    storage: ScaleStorage = "encode"
 
     def __post_init__(self) -> None:
         get(self.fmt)
-        if not self.eps >= 0:  # (NaN fails too)
-            raise ValueError(f"Rowwise.eps={self.eps!r} must be >= 0")
+        _check_storage("Rowwise", self.storage, self.eps)
         if isinstance(self.axis, bool) or not isinstance(self.axis, int):
             raise ValueError(f"Rowwise.axis={self.axis!r} must be an int")
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
         amax = tensor_to_amax(x, self.axis, keepdim=True)
-        scale, fell = amax_to_scale_and_fallbacks(
-            amax, f, eps=self.eps, power_of_two=self.power_of_two
+        q, scale, fell = _scaled_quantize(
+            x, amax, f, eps=self.eps, power_of_two=self.power_of_two, storage=self.storage
         )
-        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum())
+        return QuantResult(q.to(x.dtype), scale, fell.sum())
 
 
 @dataclass(frozen=True)
-class Block(Recipe):
+class Block(TensorRecipe):
     """A scale per block of the last two dims: ``(1, 128)`` tiles for activations and
     gradients, ``(128, 128)`` blocks for weights (DeepSeek-V3; TE Float8BlockScaling).
     ``scale="fp32"`` keeps the exact ``fmt.max / amax``; ``"pow2"`` rounds it down to a
-    power of two. Partial blocks at the edges are fine (zero padding does not change amax)."""
+    power of two (with decode storage: ``amax / fmt.max`` rounded *up* to a power of two,
+    UE8M0, as DeepGEMM). ``eps`` floors each block's amax (DeepSeek/DeepGEMM clamp to
+    1e-4). ``storage``: ``"encode"`` (TE's convention, the default), ``"decode_mul"``
+    (DeepGEMM: store ``sf = amax / 448``, cast ``x * (1 / sf)``) or ``"decode_div"``
+    (DeepSeek-V3's ``act_quant``: ``x / sf``); the scales returned are the stored ones.
+    Partial blocks at the edges are fine (zero padding does not change amax)."""
 
     fmt: str = "e4m3fn"
     block: tuple[int, int] = (1, 128)
     scale: BlockScale = "fp32"
+    eps: float = 0.0
+    storage: ScaleStorage = "encode"
 
     def __post_init__(self) -> None:
         get(self.fmt)
@@ -278,6 +353,18 @@ class Block(Recipe):
             raise ValueError(f"Block.block={self.block!r} must be two positive ints")
         if self.scale not in get_args(BlockScale):
             raise ValueError(f"Block.scale={self.scale!r}; use 'fp32' or 'pow2'")
+        _check_storage("Block", self.storage, self.eps)
+
+    @classmethod
+    def deepgemm_activation(cls, ue8m0: bool = False) -> Block:
+        """DeepGEMM's ``per_token_cast_to_fp8``: 1x128 e4m3 tiles, amax floored at 1e-4,
+        decode scales ``amax / 448`` (UE8M0 powers of two with ``ue8m0``), ``x * (1/sf)``."""
+        return cls("e4m3fn", (1, 128), "pow2" if ue8m0 else "fp32", 1e-4, "decode_mul")
+
+    @classmethod
+    def deepgemm_weight(cls, ue8m0: bool = False) -> Block:
+        """DeepGEMM's ``per_block_cast_to_fp8``: 128x128 e4m3 blocks, as the activation."""
+        return cls("e4m3fn", (128, 128), "pow2" if ue8m0 else "fp32", 1e-4, "decode_mul")
 
     @classmethod
     def deepseek_v3_activation(cls) -> Block:
@@ -298,14 +385,17 @@ class Block(Recipe):
         xp = torch.nn.functional.pad(x2.float(), (0, pc, 0, pr))
         blocks = xp.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
         amax = tensor_to_amax(blocks, (1, 3), keepdim=True)
-        s, fell = amax_to_scale_and_fallbacks(amax, f, power_of_two=self.scale == "pow2")
-        q = (quantize(blocks * s, f, overflow="saturate") / s).reshape(rows + pr, cols + pc)
+        q, s, fell = _scaled_quantize(
+            blocks, amax, f, eps=self.eps, power_of_two=self.scale == "pow2",
+            storage=self.storage,
+        )  # fmt: skip
+        q = q.reshape(rows + pr, cols + pc)
         q = q[:rows, :cols].reshape(x.shape).to(x.dtype)
         return QuantResult(q, s.reshape(amax.shape[0], amax.shape[2]), fell.sum())
 
 
 @dataclass(frozen=True)
-class MX(Recipe):
+class MX(TensorRecipe):
     """OCP Microscaling: blocks of ``block`` (32) elements along the last dim share an
     E8M0 scale ``2**X``; elements are ``x / 2**X`` in ``element`` format (saturating).
 
@@ -375,18 +465,54 @@ class MX(Recipe):
         return QuantResult(q.reshape(x.shape).to(x.dtype), scale.squeeze(-1), fell.sum())
 
 
+NVFP4Rounding = Literal["nearest", "stochastic"]
+
+
 @dataclass(frozen=True)
-class NVFP4(Recipe):
+class NVFP4(TensorRecipe):
     """NVIDIA NVFP4: 16-element blocks of e2m1, each with an e4m3 scale, under one fp32
     per-tensor scale. Encode scale ``S = (6 * 448) / amax_tensor``; a block's decode scale
     ``amax_block / 6`` is stored as ``e4m3(amax_block / 6 * S)``; elements are
-    ``e2m1(x * S / stored)``; values come back as ``q * stored / S``."""
+    ``e2m1(x * S / stored)``; values come back as ``q * stored / S``.
+
+    ``two_d``: square ``block x block`` tiles over the last two dims (a 2-D weight's
+    16x16 tiles, as NVIDIA's NVFP4 training recipe scales weights so that W and W^T
+    quantize alike); otherwise 1 x ``block`` along the last dim (activations, gradients).
+    ``rounding="stochastic"``: the e2m1 elements round stochastically (unbiased: the
+    recipe's choice for gradients); the scales still round to nearest. The draws come
+    from torch's default generator (seed it with ``torch.manual_seed``)."""
 
     block: int = 16
+    two_d: bool = False
+    rounding: NVFP4Rounding = "nearest"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"NVFP4.block={self.block!r} must be a positive int")
+        if self.rounding not in get_args(NVFP4Rounding):
+            raise ValueError(f"NVFP4.rounding={self.rounding!r}; use 'nearest' or 'stochastic'")
+
+    def _tiles(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(tiles, per-tile amax broadcastable to tiles, a function back to x's shape)."""
+        if not self.two_d:
+            blocks, _ = _blocks_last(xf, self.block)
+            cols = xf.shape[-1]
+
+            def back_1d(q: torch.Tensor) -> torch.Tensor:
+                return q.reshape(*q.shape[:-2], -1)[..., :cols].reshape(xf.shape)
+
+            return blocks, tensor_to_amax(blocks, -1, keepdim=True), back_1d
+        x2 = xf.reshape(-1, xf.shape[-1]) if xf.dim() >= 2 else xf.reshape(1, -1)
+        rows, cols = x2.shape
+        b = self.block
+        pr, pc = (-rows) % b, (-cols) % b
+        xp = torch.nn.functional.pad(x2, (0, pc, 0, pr))
+        tiles = xp.reshape((rows + pr) // b, b, (cols + pc) // b, b)
+
+        def back_2d(q: torch.Tensor) -> torch.Tensor:
+            return q.reshape(rows + pr, cols + pc)[:rows, :cols].reshape(xf.shape)
+
+        return tiles, tensor_to_amax(tiles, (1, 3), keepdim=True), back_2d
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         e2m1, e4m3 = get("e2m1fn"), get("e4m3fn")
@@ -401,17 +527,13 @@ class NVFP4(Recipe):
             ok, torch.clamp(q64, max=FLT_MAX).to(torch.float32), torch.ones_like(amax_t)
         )
         fell = ~ok | (ok & (q64 > FLT_MAX))
-        blocks, pad = _blocks_last(xf, self.block)
-        amax_b = tensor_to_amax(blocks, -1, keepdim=True)
+        tiles, amax_b, back = self._tiles(xf)
         stored = quantize(amax_b / e2m1.max * s_enc, e4m3, overflow="saturate")
         dec = stored / s_enc  # the block's decode scale in real units
         safe = torch.where(dec > 0, dec, torch.ones_like(dec))
-        q = quantize(blocks / safe, e2m1, overflow="saturate") * safe
+        q = quantize(tiles / safe, e2m1, rounding=self.rounding, overflow="saturate") * safe
         q = torch.where(dec > 0, q, torch.zeros_like(q))
-        q = q.reshape(*q.shape[:-2], -1)
-        if pad:
-            q = q[..., : x.shape[-1]]
-        values = q.reshape(x.shape).to(x.dtype)
+        values = back(q).to(x.dtype)
         # scales: the fp32 tensor scale, then every stored e4m3 block scale
         scales = torch.cat([s_enc.reshape(1), stored.reshape(-1)])
         return QuantResult(values, scales, fell.sum())
@@ -538,3 +660,17 @@ class EMAScaler:
         self.fmt, self.margin, self.smoothing = fresh.fmt, fresh.margin, fresh.smoothing
         ema = sd["amax_ema"]
         self.amax_ema = None if ema is None else torch.as_tensor(ema, dtype=torch.float32).clone()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Recipe":  # the old name, easily confused with EmulationRecipe
+        import warnings
+
+        warnings.warn(
+            "floatguard.scaling.Recipe is now TensorRecipe (how one tensor is quantized; "
+            "EmulationRecipe picks one per GEMM operand)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return TensorRecipe
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

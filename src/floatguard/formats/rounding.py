@@ -157,9 +157,15 @@ def _round_int(a: torch.Tensor, fmt: Format, w: _Working) -> torch.Tensor:
     """Round ``a >= 0`` to nearest even on the bit pattern; target shares the working emin."""
     drop = w.W - fmt.mantissa_bits
     b = a.view(w.int_dtype)
-    t = (b >> drop) & 1
-    t += (1 << (drop - 1)) - 1
-    t += b
+    if drop == w.W:
+        # No mantissa bits: the kept significand is the implied leading 1, always odd,
+        # so a tie goes up (as the magic-add and scaled paths and float64 inputs do);
+        # the bit above the cut is the exponent's, not a mantissa lsb.
+        t = b + (1 << (drop - 1))
+    else:
+        t = (b >> drop) & 1
+        t += (1 << (drop - 1)) - 1
+        t += b
     t &= ~((1 << drop) - 1)
     r = t.view(w.dtype)
     # The carry can turn a NaN payload into inf or wrap it into the sign bit: put NaN back.
