@@ -2,7 +2,10 @@
 
 1. The tiny GPT (2 layers, d=64, T=32) trained 300 steps with the same seed: held-out
    loss in fp32, bf16 autocast, and under emulated tensor-wise FP8, DeepSeek-style
-   block FP8 (HYBRID: e5m2 gradients) and MXFP8.
+   block FP8 (HYBRID: e5m2 gradients; also with the SDPA matmuls emulated), DeepGEMM's
+   decode-scale casts, MXFP8 (scale rounded up, and OCP's floor), NVIDIA's NVFP4
+   training recipe; with the layers and the share of GEMM FLOPs each run emulates.
+   A GPT-2 built from a transformers config (Conv1D layers) shows its coverage too.
 2. An emulated Linear (4096 x 4096 weight, 2048 tokens, HYBRID block recipe) forward +
    backward vs a plain float32 Linear, median of a few repeats.
 
@@ -37,18 +40,36 @@ def linear_seconds(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def coverage() -> tuple[str, str]:
+def coverage(attention: bool) -> tuple[str, str]:
     """Layers the emulated runs cover (the LM head stays high precision, as in
-    train_tiny) and their share of the weight-GEMM FLOPs per token (2 * in * out each;
-    the attention matmuls, not emulated, are not counted)."""
+    train_tiny) and their share of the GEMM FLOPs per token: 2 * in * out per weight GEMM,
+    2 * 2 * T * d per layer for the attention matmuls (q k^T and p v)."""
     from floatguard.demo import GPT, TINY
 
     model = GPT(TINY)
     total = {name: m.in_features * m.out_features for name, m in model.named_modules()
              if isinstance(m, nn.Linear)}  # fmt: skip
-    covered = emulate(model, EmulationRecipe.hybrid_block(), skip=("head",))
-    share = sum(total[n] for n in covered) / sum(total.values())
-    return f"{len(covered)} of {len(total)}", f"{share:.0%}"
+    attn = 2 * TINY.block_size * TINY.n_embd * TINY.n_layer
+    covered = emulate(model, EmulationRecipe.hybrid_block(), skip=("head",), attention=attention)
+    done = sum(total[n] for n in covered) + (attn if attention else 0)
+    share = done / (sum(total.values()) + attn)
+    return f"{len(covered)} of {len(total)}" + (" + SDPA" if attention else ""), f"{share:.0%}"
+
+
+def gpt2_coverage() -> str | None:
+    """emulate() on a GPT-2 built from a config (transformers' Conv1D), or None when
+    transformers is not installed (the floatguard[hf] extra)."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    cfg = GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(cfg)
+    covered = emulate(model, EmulationRecipe.hybrid_block(), skip=("lm_head",), attention=True)
+    return covered.summary()
 
 
 def main() -> None:
@@ -63,17 +84,31 @@ def main() -> None:
         "bf16 autocast": lambda: train_tiny(None, precision=torch.bfloat16),
         "e4m3 tensorwise (HYBRID)": lambda: train_tiny(EmulationRecipe.hybrid_tensorwise()),
         "e4m3 1x128 / 128x128 blocks (HYBRID)": lambda: train_tiny(EmulationRecipe.hybrid_block()),
-        "MXFP8 (e4m3, 32-blocks, E8M0)": lambda: train_tiny(EmulationRecipe.mxfp8()),
+        "the same + SDPA matmuls (HYBRID, attention=True)": lambda: train_tiny(
+            EmulationRecipe.hybrid_block(), attention=True
+        ),
+        "DeepGEMM casts (decode scales, 1e-4 floor)": lambda: train_tiny(
+            EmulationRecipe.deepgemm()
+        ),
+        "DeepGEMM casts (UE8M0 scales)": lambda: train_tiny(EmulationRecipe.deepgemm(ue8m0=True)),
+        "MXFP8 (e4m3, 32-blocks, E8M0 rceil)": lambda: train_tiny(EmulationRecipe.mxfp8()),
+        "MXFP8 (OCP floor scales)": lambda: train_tiny(EmulationRecipe.mxfp8("floor")),
+        "NVFP4 training (16x16 weights, SR grads)": lambda: train_tiny(
+            EmulationRecipe.nvfp4_training()
+        ),
     }
     losses = {name: fn() for name, fn in runs.items()}
     ref = losses["fp32"]
     print("| tiny GPT, 300 steps, same seed | held-out loss | vs fp32 | layers emulated "
           "| GEMM FLOPs emulated |")  # fmt: skip
     print("|---|---:|---:|---:|---:|")
-    cov = coverage()
+    cov, cov_attn = coverage(False), coverage(True)
     for name, loss in losses.items():
-        layers, share = cov if "(" in name else ("-", "-")
+        emulated = name not in ("fp32", "bf16 autocast")
+        layers, share = (cov_attn if "SDPA" in name else cov) if emulated else ("-", "-")
         print(f"| {name} | {loss:.4f} | {(loss / ref - 1) * 100:+.2f}% | {layers} | {share} |")
+    gpt2 = gpt2_coverage()
+    print(f"\nGPT-2 from a config (Conv1D): {gpt2 or 'transformers not installed'}")
     torch.manual_seed(0)
     lin = nn.Linear(4096, 4096)
     x = torch.randn(2048, 4096)

@@ -69,7 +69,13 @@ def test_fp16_loss_scale_recommendation() -> None:
     report = audit(model, [torch.randn(32, 16)], loss_fn=lambda m, b: m(b).mean() * 1e-7,
                    formats=("fp16", "bf16"), recipes={})  # fmt: skip
     rec = " ".join(report["1"].recommendation)
-    assert "fp16 needs a loss scale >= 2^" in rec
+    assert "fp16 needs a loss scale >= 2^5 " in rec
+    # Gradients so small that the scale they need is not an fp16 value itself
+    tiny = audit(model, [torch.randn(32, 16)], loss_fn=lambda m, b: m(b).mean() * 1e-12,
+                 formats=("fp16", "bf16"), recipes={})  # fmt: skip
+    rec = " ".join(tiny["1"].recommendation)
+    assert "loss scale of 2^21, beyond fp16's own range (2^15 is the largest" in rec
+    assert "needs a loss scale >=" not in rec
 
 
 def test_audit_errors() -> None:

@@ -179,7 +179,15 @@ def _recommend(results: dict[str, dict[str, Any]], recipes: Sequence[str]) -> li
             if under > 1e-3 and math.isfinite(mn) and mn > 0:
                 k = max(0, math.ceil(math.log2(f16.smallest_subnormal / mn)))
                 headroom = math.floor(math.log2(f16.max / amax)) if amax > 0 else 24
-                if k <= headroom:
+                # The scale itself must be an fp16 value: a loss computed in fp16 seeds
+                # its backward with the scale (inf above 65504), so 2^15 is the most.
+                own = math.floor(math.log2(f16.max))
+                if k > own and k <= headroom:
+                    recs.append(
+                        f"fp16 gradients need a loss scale of 2^{k}, beyond fp16's own range "
+                        f"(2^{own} is the largest it holds; {_pct(under)} underflow): keep bf16"
+                    )
+                elif k <= headroom:
                     recs.append(
                         f"fp16 needs a loss scale >= 2^{k} ({_pct(under)} of gradients underflow)"
                     )

@@ -70,3 +70,47 @@ def test_covering_nothing_is_an_error_that_says_why() -> None:
         emulate(nn.Sequential(nn.Conv3d(1, 1, 3)), EmulationRecipe.hybrid_block())
     with pytest.raises(ValueError, match=r"every candidate was skipped"):
         emulate(nn.Sequential(nn.Linear(4, 4)), EmulationRecipe.hybrid_block(), skip=("0",))
+
+
+def test_presets_and_the_renamed_tensor_recipe() -> None:
+    import warnings
+
+    import floatguard.scaling as scaling
+    from floatguard.scaling import MX, NVFP4, Block, TensorRecipe
+
+    r = EmulationRecipe.mxfp8()
+    assert r.activation == MX("e4m3fn", 32, "rceil") and r.grad == MX("e5m2", 32, "rceil")
+    assert EmulationRecipe.mxfp8("floor").weight == MX("e4m3fn", 32, "floor")
+    d = EmulationRecipe.deepgemm(ue8m0=True)
+    assert d.weight == Block("e4m3fn", (128, 128), "pow2", 1e-4, "decode_mul")
+    n = EmulationRecipe.nvfp4_training()
+    assert n.weight == NVFP4(two_d=True) and n.grad == NVFP4(rounding="stochastic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = scaling.Recipe  # type: ignore[attr-defined]
+    assert old is TensorRecipe
+    assert any("TensorRecipe" in str(w.message) for w in caught)
+
+
+def test_a_transformers_gpt2_is_covered() -> None:
+    """A GPT-2 built from a config (random weights, no download): every Conv1D and, with
+    attention=True, its SDPA matmuls; the LM head skipped; it trains through."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
+        eos_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg).eval()  # no dropout: losses comparable
+    ids = torch.randint(0, 128, (2, 16))
+    ref = model(ids, labels=ids).loss
+    cov = emulate(model, EmulationRecipe.hybrid_block(), skip=("lm_head",), attention=True)
+    per_layer = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    assert list(cov) == [f"transformer.h.{i}.{n}" for i in range(2) for n in per_layer]
+    assert cov.left == {"Linear": ["lm_head"]} and cov.attention
+    out = model(ids, labels=ids)
+    assert torch.isfinite(out.loss) and float(out.loss) != float(ref)
+    out.loss.backward()
+    assert model.transformer.h[0].attn.c_attn.weight.grad is not None
+    restore(model)
+    assert float(model(ids, labels=ids).loss) == float(ref)

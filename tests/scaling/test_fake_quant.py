@@ -86,6 +86,13 @@ def test_bad_emulate_arguments() -> None:
         emulate(nn.Linear(2, 2), EmulationRecipe.mxfp8(), modules=(nn.Conv3d,))
 
 
+def test_tiny_gpt_trains_under_mxfp8_within_3_percent() -> None:
+    """The MXFP8 preset (E8M0 scales rounded up, TE's choice) on the same 300 steps."""
+    ref = train_tiny(None, steps=300)
+    emu = train_tiny(EmulationRecipe.mxfp8(), steps=300)
+    assert abs(emu - ref) <= 0.03 * ref, (emu, ref)
+
+
 def test_tiny_gpt_trains_under_hybrid_block_scaling() -> None:
     """300 steps on CPU: the held-out loss under emulated HYBRID block scaling is within 3%
     of fp32 with the same seed."""

@@ -23,14 +23,16 @@ def train_tiny(
     batch: int = 16,
     lr: float = 3e-3,
     precision: torch.dtype | None = None,
+    attention: bool = False,
 ) -> float:
     """Train the tiny GPT for ``steps`` (AdamW, 30-step warmup, linear decay), optionally
     under an emulated recipe (the LM head stays in high precision, as DeepSeek-V3 keeps it)
-    or bf16 autocast (``precision=torch.bfloat16``); return the mean held-out loss."""
+    or bf16 autocast (``precision=torch.bfloat16``); ``attention``: emulate the SDPA
+    matmuls too (see :func:`~floatguard.scaling.emulate`). Returns the mean held-out loss."""
     torch.manual_seed(seed)
     model = GPT(cfg)
     if recipe is not None:
-        emulate(model, recipe, skip=("head",))
+        emulate(model, recipe, skip=("head",), attention=attention)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 30) * max(0.1, 1 - s / steps)

@@ -34,7 +34,15 @@ from torch import nn
 
 from floatguard.formats.registry import Format
 from floatguard.formats.rounding import quantize
-from floatguard.scaling.recipes import MX, NVFP4, Block, Rowwise, TensorRecipe, Tensorwise
+from floatguard.scaling.recipes import (
+    MX,
+    NVFP4,
+    Block,
+    MXScaleMode,
+    Rowwise,
+    TensorRecipe,
+    Tensorwise,
+)
 
 __all__ = [
     "Coverage", "EmulatedConv", "EmulatedLinear", "EmulationRecipe", "FakeQuant", "emulate",
@@ -86,9 +94,15 @@ class EmulationRecipe:
         return cls(act, Block.deepseek_v3_weight(), act, accumulate_bits=13, accumulate_every=128)
 
     @classmethod
-    def mxfp8(cls) -> EmulationRecipe:
-        """MXFP8: e4m3 elements in 32-blocks with E8M0 scales (floor), e5m2 gradients."""
-        return cls(MX("e4m3fn"), MX("e4m3fn"), MX("e5m2"))
+    def mxfp8(cls, scale_mode: MXScaleMode = "rceil") -> EmulationRecipe:
+        """MXFP8: e4m3 elements in 32-blocks with E8M0 scales, e5m2 gradients. The scale
+        exponent rounds up by default (``"rceil"``: never saturates), as Transformer
+        Engine's MXFP8BlockScaling and NVIDIA's MXFP8 pre-training recipe (Mishra et al.,
+        2025) do; ``scale_mode="floor"`` is the OCP MX v1.0 rule, which can saturate the
+        block maximum (on the tiny GPT: +3.2% held-out loss vs +1.7% for rceil)."""
+        return cls(
+            MX("e4m3fn", 32, scale_mode), MX("e4m3fn", 32, scale_mode), MX("e5m2", 32, scale_mode)
+        )
 
     @classmethod
     def nvfp4(cls) -> EmulationRecipe:
