@@ -108,7 +108,8 @@ def test_the_report_escapes_and_survives_a_broken_log(tmp_path: Path) -> None:
                  clip_coef=1.0, scale=1.0, lr_factor=1.0)  # fmt: skip
     log.emit("fault", 2, phase="forward", module="<script>alert(1)</script>", tensor="output",
              kind_of_value="nan", shape=[2], op="aten.log.default",
-             source='x.py:1: y = "<b>"', deterministic=True, stats=None)  # fmt: skip
+             source='x.py:1: y = "<b>"', deterministic=True, stats=None,
+             fault_rank=None)  # fmt: skip
     log.close()
     with open(tmp_path / "run.jsonl", "a") as fh:
         fh.write("not json\n")

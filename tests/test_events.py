@@ -32,6 +32,7 @@ def test_every_field_type_round_trips(tmp_path: Path) -> None:
         "source": 'x.py:3: y = "quoted" \\ back',
         "deterministic": True,
         "stats": {"numel": 12, "nan": 1, "amax": 3.5, "min": -math.inf},
+        "fault_rank": 3,
     }
     log = EventLog(path)
     log.emit("fault", 7, **values)

@@ -48,7 +48,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "step": ("action", "reason", "loss", "grad_norm", "clip_coef", "scale", "lr_factor"),
         "fault": (
             "phase", "module", "tensor", "kind_of_value", "shape", "op", "source",
-            "deterministic", "stats",
+            "deterministic", "stats", "fault_rank",
         ),
         "overflow": ("scale_before", "scale_after"),
         "spike": ("signal", "value"),

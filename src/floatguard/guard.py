@@ -43,6 +43,14 @@ import torch
 from torch import nn
 
 from floatguard._values import values_of
+from floatguard.distributed import (
+    GuardDesync,
+    PeerFailed,
+    Peers,
+    config_fingerprint,
+    pack,
+    unpack,
+)
 from floatguard.events import EventLog
 from floatguard.monitor.hooks import Monitor
 from floatguard.monitor.localize import Fault
@@ -62,10 +70,6 @@ Action = Literal["applied", "skipped", "rolled_back"]
 Watch = Literal["replay", "hooks", "off"]
 Closure = Callable[[], torch.Tensor]
 _Response = Literal["apply", "skip", "backoff", "ladder", "rollback", "stop"]
-# Under torch.distributed every rank takes the strongest response any rank chose.
-_STRENGTH: dict[_Response, int] = {
-    "apply": 0, "skip": 1, "backoff": 2, "ladder": 3, "rollback": 4, "stop": 5,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class _Read:
     clip_coef: float
     zclip: tuple[float, bool] | None  # ZClip's (clip value, clipped), for its update
     monitor_fault: Fault | None
+    bad_ranks: tuple[int, ...] = ()  # under torch.distributed: ranks with a bad local loss/norm
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,13 @@ def _fault_from_replay(step: int, r: ReplayResult, deterministic: bool) -> Fault
     )  # fmt: skip
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2 shards), a plain tensor as it is: checks
+    read local values, so they run no collective."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _stats_fields(st: TensorStats | None) -> dict[str, Any] | None:
     """A birth's statistics for the event stream: counts and finite extremes (one read)."""
     if st is None:
@@ -181,11 +193,21 @@ class Guard:
             sampling :class:`Monitor` (hooks on those steps only) and write them as a
             ``stats`` event (for the report's heatmaps and histograms). Default: off.
         log: a JSONL path for the event stream (events are kept in memory too).
-        distributed: all-reduce the step's decision numbers over ``process_group`` so
-            every rank skips, applies or rolls back together (default: when
-            torch.distributed is initialized). On a bad step the ranks also agree on
-            the strongest response any of them chose (one more all-reduce, bad steps
-            only).
+        distributed: decide every step together over ``process_group`` (default: when
+            torch.distributed is initialized): one all-reduce per step of one small
+            packed tensor (overflow flag, gradient norm with FSDP2 shards summed and
+            DDP replicas averaged, loss, which ranks saw a non-finite value, and the
+            step counter and a configuration fingerprint, checked: a rank on another
+            step or configured differently raises :class:`GuardDesync` on every rank).
+            On a bad step every rank localizes (replay under ``no_sync()``) and the
+            ranks all-gather their findings: every rank names the faulting rank and
+            takes the same response. See :mod:`floatguard.distributed`.
+        peer_timeout_s: under torch.distributed, how long the guard's own collectives
+            wait for the other ranks before :class:`PeerFailed` (None: forever).
+        peer_grace_s: under torch.distributed, after another rank raised out of its
+            guard, how long this rank may stay blocked in a collective the guard does
+            not own (DDP's all-reduce in backward) before the watchdog ends the process
+            with the reason on stderr (None: wait for the backend's own timeout).
 
     Two ways to drive it. ``step(closure)``: the closure runs the forward and returns
     the loss (inside the guard's autocast; it must capture its batch, so a replay
@@ -216,6 +238,8 @@ class Guard:
         log: str | os.PathLike[str] | None = None,
         distributed: bool | None = None,
         process_group: Any = None,
+        peer_timeout_s: float | None = 600.0,
+        peer_grace_s: float | None = 10.0,
     ) -> None:
         self._check_args(model, optimizer, precision, watch)
         devices = {p.device for p in model.parameters()}
@@ -282,7 +306,20 @@ class Guard:
             else None
         )
         self._applied = False  # set just before optimizer.step(): no undo past it
+        self._peers = (
+            Peers(process_group, timeout_s=peer_timeout_s, grace_s=peer_grace_s)
+            if self.distributed
+            else None
+        )
+        self._fingerprint = config_fingerprint(self._configuration())
         self._take_snapshot(0)
+
+    def _configuration(self) -> tuple[Any, ...]:
+        """What every rank's guard must share (for the fingerprint): precision, policies
+        (paths left out: they may differ per rank), the model's global parameter shapes."""
+        resp = {k: v for k, v in vars(self.response).items() if "dir" not in k}
+        shapes = [tuple(p.shape) for p in self.model.parameters()]  # DTensor: global shape
+        return (self.precision, self.watch, self.clip, self.spikes, sorted(resp.items()), shapes)
 
     def _rank(self) -> int:
         if not self.distributed:
@@ -345,16 +382,54 @@ class Guard:
         # The step is decided on the mean of the micro-batches' losses (device ops).
         self._losses.append(loss.detach().float().reshape(()))
         target = self.scaler.scale(loss) if self.scaler.enabled else loss
-        target.backward()  # type: ignore[no-untyped-call]
+        with self._region():
+            target.backward()  # type: ignore[no-untyped-call]
 
-    def step(self, closure: Closure | Sequence[Closure] | None = None) -> StepResult:
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Record a micro-batch's loss for this step's decision without running its
+        backward (for loops that run the backward themselves: the integrations)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"Guard.record_loss needs a scalar loss tensor, got {got}")
+        self._losses.append(loss.detach().float().reshape(()).to(self.device))
+
+    def _region(self) -> contextlib.AbstractContextManager[None]:
+        """Where this rank may block in collectives the guard does not own."""
+        return self._peers.region() if self._peers is not None else contextlib.nullcontext()
+
+    def step(
+        self,
+        closure: Closure | Sequence[Closure] | None = None,
+        *,
+        replay: Sequence[Closure] | None = None,
+    ) -> StepResult:
         """Decide on this step (one host read), apply it or not, and zero the gradients.
 
         ``closure``: a function running the forward and returning the loss (or a
         sequence of them for gradient accumulation); without it, the losses given to
-        :meth:`backward` since the last step are decided on (no replay).
+        :meth:`backward` (or :meth:`record_loss`) since the last step are decided on.
+        ``replay``: for that second form, closures that re-run the step's forward (its
+        micro-batches) if the step turns out bad, so it can be localized all the same
+        (the integrations pass the batches the trainer ran).
         """
+        try:
+            return self._step(closure, replay)
+        except (PeerFailed, GuardDesync) as e:
+            reason = "peer_failed" if isinstance(e, PeerFailed) else "desync"
+            self.events.emit("stop", self.step_count, reason=reason, fault=str(e))
+            raise
+        except GuardStopped:
+            raise  # decided together: every rank raises it
+        except BaseException as e:
+            if self._peers is not None:  # this rank alone: tell the others, who wait on it
+                self._peers.announce_failure(self.step_count, e)
+            raise
+
+    def _step(self, closure: Closure | Sequence[Closure] | None,
+              replay: Sequence[Closure] | None) -> StepResult:  # fmt: skip
         closures = self._closures(closure)
+        if self._peers is not None:
+            self._peers.raise_if_failed()
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:
@@ -366,11 +441,13 @@ class Guard:
                 raise
         elif not self._losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
+        else:
+            closures = self._closures(replay) if replay else []
         step = self.step_count
         self.step_count += 1
         self._applied = False
         try:
-            read = self._read(self._gather())
+            read = self._read(self._gather(step))
             response, reason, fault = self._decide(step, read, closures)
             return self._act(step, read, response, reason, fault)
         except BaseException:
@@ -396,7 +473,7 @@ class Guard:
     def _forward_backward(self, closures: Sequence[Closure]) -> torch.Tensor:
         """Run every closure's forward (under autocast) and backward; the mean loss."""
         for c in closures:
-            with self.autocast():
+            with self.autocast(), self._region():
                 loss = c()
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(
@@ -411,7 +488,7 @@ class Guard:
         dev = params[0].device if params else self.device
         return params, [p.grad for p in params if p.grad is not None], dev
 
-    def _gather(self) -> _Gathered:
+    def _gather(self, step: int) -> _Gathered:
         """Unscale and take the norm on device; pack what the read needs. No sync."""
         _, _, dev = self._grads()
         found = (
@@ -420,11 +497,12 @@ class Guard:
             else torch.zeros((), device=dev)
         )
         _, grads, _ = self._grads()  # after unscale_ (a sparse gradient is coalesced)
-        norm = total_norm(grads).to(dev).float() if grads else torch.zeros((), device=dev)
         loss = torch.stack(self._losses).mean().to(dev)
-        small = torch.stack([found.float(), norm, loss])
-        if self.distributed:
-            small = self._all_reduce_mean(small)
+        if self._peers is not None:
+            small = self._pack_distributed(step, found, grads, loss, dev)
+        else:
+            norm = total_norm(grads).to(dev).float() if grads else torch.zeros((), device=dev)
+            small = torch.stack([found.float(), norm, loss])
         packed_mon = self.monitor.packed_records() if self.monitor is not None else None
         n = 0
         if packed_mon is not None:
@@ -451,25 +529,45 @@ class Guard:
         elif grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
 
-    def _all_reduce_mean(self, small: torch.Tensor) -> torch.Tensor:
-        # Flags > 0 on any rank stay > 0; NaN on any rank stays NaN; loss and norm
-        # become their means (asynchronous on NCCL: no extra host sync).
-        import torch.distributed as dist
-
-        dist.all_reduce(small, op=dist.ReduceOp.SUM, group=self.process_group)
-        return small / dist.get_world_size(self.process_group)
+    def _pack_distributed(
+        self, step: int, found: torch.Tensor, grads: list[torch.Tensor], loss: torch.Tensor,
+        dev: torch.device,
+    ) -> torch.Tensor:  # fmt: skip
+        """This rank's packed read, all-reduced (SUM) once: flags > 0 on any rank stay
+        > 0, NaN anywhere stays NaN; see :mod:`floatguard.distributed` for the slots."""
+        assert self._peers is not None
+        sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]  # FSDP2 shards
+        replicated = [g for g in grads if not hasattr(g, "to_local")]
+        zero = torch.zeros((), device=dev, dtype=torch.float64)
+        sq_sh = total_norm(sharded).to(dev).double() ** 2 if sharded else zero
+        n_rep = total_norm(replicated).to(dev).double() if replicated else zero
+        local_bad = ~torch.isfinite(loss) | ~torch.isfinite(n_rep) | ~torch.isfinite(sq_sh)
+        packed = pack(found, sq_sh, n_rep**2, loss, local_bad, self._peers.rank, step,
+                      self._fingerprint)  # fmt: skip
+        return self._peers.all_reduce_sum(packed, "step read")
 
     # ----------------------------------------------------------------- read
     def _read(self, g: _Gathered) -> _Read:
         # The one host read of the step: flags, norm, loss, coefficient, monitor records.
         values = g.packed.tolist()
+        head = 3
+        overflow, norm, loss = values[0] > 0, values[1], values[2]
+        bad_ranks: tuple[int, ...] = ()
+        if self._peers is not None:
+            from floatguard.distributed import SLOTS
+
+            head = SLOTS.size
+            agreed = unpack(values[:head], self._peers.world, self._peers.rank,
+                            self.step_count - 1, self._fingerprint)  # fmt: skip
+            overflow, norm, loss = agreed.found, agreed.grad_norm, agreed.loss
+            bad_ranks = agreed.bad_ranks
         fault = None
         if self.monitor is not None and g.monitor_slots:
             n = g.monitor_slots
-            faults = self.monitor.faults_from(values[3 : 3 + n], values[3 + n :])
+            faults = self.monitor.faults_from(values[head : head + n], values[head + n :])
             fault = faults[0] if faults else None
-        coef, zstate = self._clip_coef(values[1])
-        return _Read(values[0] > 0, values[1], values[2], coef, zstate, fault)
+        coef, zstate = self._clip_coef(norm)
+        return _Read(overflow, norm, loss, coef, zstate, fault, bad_ranks)
 
     # --------------------------------------------------------------- decide
     def _decide(
@@ -478,15 +576,17 @@ class Guard:
         """The signal, then (on a non-finite step) the cause, then the response."""
         finite_loss = math.isfinite(read.loss)
         overflow = read.overflow or not math.isfinite(read.grad_norm)
+        # Under torch.distributed the read is the same on every rank, and so is every
+        # decision taken from it; only localization is per rank, and it is agreed on.
         if self.scaler.enabled and finite_loss and overflow and not self._scale_at_floor():
-            return self._agree("backoff"), "overflow", None
+            return "backoff", "overflow", None
         if not finite_loss or overflow:
             fault = self._localize(step, read, closures)
             response, reason = self._respond_to_fault(fault, finite_loss)
-            return self._agree(response), reason, fault
+            return response, reason, fault
         spike = self._spike(read)
         if spike is not None:
-            return self._agree("ladder"), spike, None
+            return "ladder", spike, None
         if self.skip_remaining > 0:
             self.skip_remaining -= 1
             return "skip", "after_rollback", None
@@ -507,12 +607,33 @@ class Guard:
     def _localize(self, step: int, read: _Read, closures: Sequence[Closure]) -> Fault | None:
         """Where the non-finite value was born: a bad parameter, else a replay of the
         step (with a closure), else the hook monitor's records (watch="hooks")."""
-        bad_param = self._bad_parameter(step)
+        bad_param = self._agreed_fault(self._bad_parameter(step), read, "parameter check")
         if bad_param is not None:
-            return bad_param
+            return bad_param  # (on every rank: no rank replays while another does not)
         if closures and self.watch != "off":
-            return self._replay(step, closures, read)
-        return read.monitor_fault
+            return self._agreed_fault(self._replay(step, closures, read), read, "replay")
+        return self._agreed_fault(read.monitor_fault, read, "hook records")
+
+    def _agreed_fault(self, local: Fault | None, read: _Read, what: str) -> Fault | None:
+        """Under torch.distributed, the fault every rank takes: the ranks all-gather their
+        own finding (bad steps only) and take the first reproduced one (lowest rank),
+        else the first finding, named with its rank; without distributed, ``local``."""
+        if self._peers is None:
+            return local
+        import dataclasses
+
+        mine = None if local is None else dataclasses.replace(local, rank=self._peers.rank)
+        records = self._peers.all_gather_json(
+            {"fault": None if mine is None else mine.to_record()}, f"agreement on the {what}"
+        )
+        found = [Fault.from_record(r["fault"]) for r in records if r.get("fault")]
+        found.sort(key=lambda f: (f.deterministic is not True, f.rank or 0))
+        if not found:
+            return None
+        best = found[0]
+        if best.deterministic is not True and read.bad_ranks:
+            best = dataclasses.replace(best, rank=read.bad_ranks[0])  # where the read saw it
+        return best
 
     def _bad_parameter(self, step: int) -> Fault | None:
         """The first non-finite parameter or optimizer-state tensor (bad steps only)."""
@@ -521,10 +642,10 @@ class Guard:
         named = getattr(self.model, "_orig_mod", self.model)
         for name, p in named.named_parameters():
             owner, _, pname = name.rpartition(".")
-            tensors.append((owner, f"param:{pname}", p))
+            tensors.append((owner, f"param:{pname}", _local(p)))
             for key, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1:
-                    tensors.append((owner, f"optimizer:{pname}.{key}", v))
+                    tensors.append((owner, f"optimizer:{pname}.{key}", _local(v)))
         # Under fp16 autocast a weight past fp16's range turns into inf when cast: a
         # flipped exponent bit that leaves it finite in float32 is as bad as a NaN.
         limit = 65504.0 if self.precision == "fp16" else math.inf
@@ -550,8 +671,7 @@ class Guard:
         self._state.restore_buffers()
         self._state.restore_rng()
         self._losses = []
-        sync = getattr(self.model, "no_sync", None)  # DDP: no gradient all-reduce in replay
-        with sync() if callable(sync) else contextlib.nullcontext():
+        with self._no_gradient_sync():
             found = run_localized(lambda: self._forward_backward(closures), model=self.model)
         reproduced = self._step_is_bad()
         self.optimizer.zero_grad(set_to_none=True)
@@ -566,6 +686,25 @@ class Guard:
         kind: Literal["nan", "inf"] = "nan" if math.isnan(seen) else "inf"
         return Fault(step, phase, "", "grad" if loss_ok else "loss", kind, (), None, None, None,
                      reproduced)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _no_gradient_sync(self) -> Iterator[None]:
+        """No gradient all-reduce in the replay: DDP's ``no_sync()``, FSDP2's
+        ``set_requires_gradient_sync(False)`` (its parameter all-gathers still run, on
+        every rank: every rank replays a bad step)."""
+        sync = getattr(self.model, "no_sync", None)
+        fsdp = getattr(self.model, "set_requires_gradient_sync", None)
+        if callable(sync):
+            with sync():
+                yield
+        elif callable(fsdp):
+            fsdp(False)
+            try:
+                yield
+            finally:
+                fsdp(True)
+        else:
+            yield
 
     def _step_is_bad(self) -> bool:
         """Whether the replayed step was bad again (loss or a gradient non-finite)."""
@@ -586,17 +725,6 @@ class Guard:
         if fault.phase == "input":
             return "skip", "nonfinite_input"
         return ("stop" if again else "ladder"), generic
-
-    def _agree(self, response: _Response) -> _Response:
-        """Under torch.distributed, the strongest response any rank chose (bad steps)."""
-        if not self.distributed:
-            return response
-        import torch.distributed as dist
-
-        code = torch.full((), float(_STRENGTH[response]), device=self.device)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.process_group)
-        strength = int(code.item())
-        return next(r for r, s in _STRENGTH.items() if s == strength)
 
     # ------------------------------------------------------------------ act
     def _act(
@@ -727,7 +855,7 @@ class Guard:
             "fault", step, phase=fault.phase, module=fault.module, tensor=fault.tensor,
             kind_of_value=fault.kind, shape=list(fault.shape), op=fault.op,
             source=fault.source, deterministic=fault.deterministic,
-            stats=_stats_fields(fault.stats),
+            stats=_stats_fields(fault.stats), fault_rank=fault.rank,
         )  # fmt: skip
 
     def _recover_lr(self) -> None:
@@ -934,6 +1062,8 @@ class Guard:
             self.monitor.detach()
         if self.stats_monitor is not None:
             self.stats_monitor.detach()
+        if self._peers is not None:
+            self._peers.close()
         self.events.close()
 
     def __enter__(self) -> Guard:

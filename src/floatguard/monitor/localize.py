@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from floatguard.stats import TensorStats
 
@@ -36,7 +36,8 @@ class Fault:
     From a replay (the guard's localization) also: ``op``, the aten op
     (``"aten.log.default"``; ``"parameter"`` / ``"input"`` when the value was already
     there), ``source``, the user's line, and ``deterministic``: whether a replay of
-    the step reproduced the fault (None when not replayed).
+    the step reproduced the fault (None when not replayed). ``rank``: under
+    torch.distributed, the rank where it was born (None otherwise, or not known).
     """
 
     step: int
@@ -49,10 +50,12 @@ class Fault:
     op: str | None = None
     source: str | None = None
     deterministic: bool | None = None
+    rank: int | None = None
 
     def __str__(self) -> str:
         where = self.module or "<root>"
-        text = f"step {self.step}: {self.kind} born in {where} ({self.phase}, {self.tensor})"
+        on = f" on rank {self.rank}" if self.rank is not None else ""
+        text = f"step {self.step}: {self.kind} born in {where}{on} ({self.phase}, {self.tensor})"
         if self.op is not None:
             text += f" by {self.op}"
         if self.source is not None:
@@ -60,6 +63,24 @@ class Fault:
         if self.deterministic is not None:
             text += " [deterministic]" if self.deterministic else " [transient]"
         return text
+
+    def to_record(self) -> dict[str, object]:
+        """The fault as a JSON-ready dict (statistics left out), for other ranks."""
+        return {
+            "step": self.step, "phase": self.phase, "module": self.module,
+            "tensor": self.tensor, "kind": self.kind, "shape": list(self.shape),
+            "op": self.op, "source": self.source, "deterministic": self.deterministic,
+            "rank": self.rank,
+        }  # fmt: skip
+
+    @classmethod
+    def from_record(cls, r: dict[str, Any]) -> Fault:
+        """The inverse of :meth:`to_record`."""
+        return cls(
+            int(r["step"]), r["phase"], str(r["module"]), str(r["tensor"]), r["kind"],
+            tuple(int(d) for d in r.get("shape", ())), None, r.get("op"), r.get("source"),
+            r.get("deterministic"), r.get("rank"),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
