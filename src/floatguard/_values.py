@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dense_sum", "grad_to_modify", "stored_values", "values_of"]
+__all__ = ["dense_sum", "grad_to_modify", "local_part", "stored_values", "values_of"]
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 shard), a plain tensor as it is: a check
+    that reads local values runs no collective."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def stored_values(t: torch.Tensor) -> torch.Tensor:
@@ -24,8 +31,8 @@ def stored_values(t: torch.Tensor) -> torch.Tensor:
 def values_of(t: torch.Tensor) -> torch.Tensor:
     """A strided real tensor holding exactly ``t``'s values: sparse tensors by their
     stored values (:func:`stored_values`), complex ones through their real view (real
-    and imaginary parts). Detached."""
-    t = stored_values(t.detach())
+    and imaginary parts); a DTensor by this rank's part (:func:`local_part`). Detached."""
+    t = stored_values(local_part(t.detach()))
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
     return t

@@ -258,17 +258,23 @@ def _events_of(run: Path) -> tuple[list[Any], list[str]]:
 
 @app.command()
 def report(
-    run: Annotated[Path, typer.Argument(help="A run's event log (events.jsonl).")],
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A run's event log (events.jsonl); for a multi-rank run, one log per "
+            "rank, or one merged log.",
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Folder for index.html and the plots.")] = Path(
         "floatguard-report"
     ),
 ) -> None:
-    """Render a run's event log into the report: index.html and PNG plots."""
+    """Render a run's event log(s) into the report: index.html and PNG plots."""
     from floatguard.report import render_report
 
-    _, problems = _events_of(run)
+    problems = [p for run in runs for p in _events_of(run)[1]]
     try:
-        index = render_report(run, out)
+        index = render_report(list(runs), out)
     except OSError as e:
         raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
     for p in problems:

@@ -42,7 +42,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from floatguard._values import values_of
+from floatguard._values import local_part, values_of
 from floatguard.distributed import (
     GuardDesync,
     PeerFailed,
@@ -149,13 +149,6 @@ def _fault_from_replay(step: int, r: ReplayResult, deterministic: bool) -> Fault
         step, r.phase, r.module if r.module is not None else "", r.tensor, r.kind, r.shape,
         r.outputs[0] if r.outputs else None, r.op, r.source, deterministic,
     )  # fmt: skip
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2 shards), a plain tensor as it is: checks
-    read local values, so they run no collective."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _stats_fields(st: TensorStats | None) -> dict[str, Any] | None:
@@ -627,7 +620,8 @@ class Guard:
             {"fault": None if mine is None else mine.to_record()}, f"agreement on the {what}"
         )
         found = [Fault.from_record(r["fault"]) for r in records if r.get("fault")]
-        found.sort(key=lambda f: (f.deterministic is not True, f.rank or 0))
+        # reproduced first, then localized (an op named) first, then the lowest rank
+        found.sort(key=lambda f: (f.deterministic is not True, f.op is None, f.rank or 0))
         if not found:
             return None
         best = found[0]
@@ -638,14 +632,13 @@ class Guard:
     def _bad_parameter(self, step: int) -> Fault | None:
         """The first non-finite parameter or optimizer-state tensor (bad steps only)."""
         tensors: list[tuple[str, str, torch.Tensor]] = []  # (owner module, role, tensor)
-        # A compiled model (torch.compile's wrapper) is named by the module it wraps.
-        named = getattr(self.model, "_orig_mod", self.model)
+        named = self._named_root()
         for name, p in named.named_parameters():
             owner, _, pname = name.rpartition(".")
-            tensors.append((owner, f"param:{pname}", _local(p)))
+            tensors.append((owner, f"param:{pname}", local_part(p)))
             for key, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1:
-                    tensors.append((owner, f"optimizer:{pname}.{key}", _local(v)))
+                    tensors.append((owner, f"optimizer:{pname}.{key}", local_part(v)))
         # Under fp16 autocast a weight past fp16's range turns into inf when cast: a
         # flipped exponent bit that leaves it finite in float32 is as bad as a NaN.
         limit = 65504.0 if self.precision == "fp16" else math.inf
@@ -672,7 +665,8 @@ class Guard:
         self._state.restore_rng()
         self._losses = []
         with self._no_gradient_sync():
-            found = run_localized(lambda: self._forward_backward(closures), model=self.model)
+            run = lambda: self._forward_backward(closures)  # noqa: E731
+            found = run_localized(run, model=self._named_root())
         reproduced = self._step_is_bad()
         self.optimizer.zero_grad(set_to_none=True)
         self._losses = []
@@ -687,22 +681,27 @@ class Guard:
         return Fault(step, phase, "", "grad" if loss_ok else "loss", kind, (), None, None, None,
                      reproduced)  # fmt: skip
 
+    def _named_root(self) -> nn.Module:
+        """The module whose names faults use: a compiled model (torch.compile's wrapper)
+        and a DistributedDataParallel model are named by the module they wrap."""
+        root = self.model
+        if isinstance(root, nn.parallel.DistributedDataParallel):
+            root = root.module
+        inner = getattr(root, "_orig_mod", root)
+        return inner if isinstance(inner, nn.Module) else root
+
     @contextlib.contextmanager
     def _no_gradient_sync(self) -> Iterator[None]:
-        """No gradient all-reduce in the replay: DDP's ``no_sync()``, FSDP2's
-        ``set_requires_gradient_sync(False)`` (its parameter all-gathers still run, on
-        every rank: every rank replays a bad step)."""
+        """DDP's ``no_sync()`` around the replay: each rank's gradients stay its own, so
+        only the faulting rank reproduces the fault. FSDP2 replays with its collectives
+        (every rank replays a bad step, so they match): without gradient sync it keeps
+        the replay's unsharded gradients and adds them to the next step's. The replay
+        does not take a value a collective delivers for a birth, so there too only the
+        faulting rank names one."""
         sync = getattr(self.model, "no_sync", None)
-        fsdp = getattr(self.model, "set_requires_gradient_sync", None)
         if callable(sync):
             with sync():
                 yield
-        elif callable(fsdp):
-            fsdp(False)
-            try:
-                yield
-            finally:
-                fsdp(True)
         else:
             yield
 
@@ -710,7 +709,8 @@ class Guard:
         """Whether the replayed step was bad again (loss or a gradient non-finite)."""
         _, grads, dev = self._grads()
         flags = [torch.stack(self._losses).isfinite().all().to(dev)] if self._losses else []
-        flags += [g.detach().isfinite().all().to(dev) for g in grads if g.layout == torch.strided]
+        flags += [local_part(g.detach()).isfinite().all().to(dev) for g in grads
+                  if g.layout == torch.strided]  # fmt: skip
         return not all(torch.stack(flags).tolist()) if flags else False
 
     def _respond_to_fault(self, fault: Fault | None, finite_loss: bool) -> tuple[_Response, str]:

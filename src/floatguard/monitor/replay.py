@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from floatguard._values import values_of
+from floatguard._values import local_part, values_of
 from floatguard.monitor import _context
 from floatguard.monitor.localize import Phase
 from floatguard.stats import TensorStats, tensor_stats
@@ -164,8 +164,12 @@ def _floats(obj: Any) -> tuple[list[torch.Tensor], list[float]]:
     return tensors, scalars
 
 
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
 def _severity(t: torch.Tensor) -> int:
     """0 finite, 1 -inf only (no NaN, no +inf), 2 NaN or +inf. One host read."""
+    t = local_part(t)  # a DTensor (FSDP2): this rank's values, no collective
     if t.numel() == 0:
         return 0
     lo, hi = torch.aminmax(t.detach().reshape(-1).float() if t.dtype.itemsize < 2 else t)
@@ -391,7 +395,9 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if len(self.candidates) >= _MAX_CANDIDATES:
             return func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
-        if name in _SKIP:
+        if name in _SKIP or getattr(func, "namespace", "") in _COLLECTIVES:
+            # A collective brings other ranks' values: a NaN it delivers was born on
+            # another rank, whose own replay names it (see floatguard.distributed).
             return func(*args, **kwargs)
         outs = _out_args(func)
         ins = {k: v for k, v in kwargs.items() if k not in outs} if outs else kwargs

@@ -6,14 +6,15 @@ import base64
 import html
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from floatguard.diagnose import Finding, diagnose
 from floatguard.events import Event, EventLog, read_events
 
-__all__ = ["Verdict", "render_report", "verdict_of"]
+__all__ = ["Verdict", "global_view", "reduce_stats", "render_report", "verdict_of"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,103 @@ def verdict_of(events: list[Event]) -> Verdict:
             len(faults), len(steps),
         )  # fmt: skip
     return Verdict("healthy", f"Healthy: all {len(steps)} steps applied", 0, len(steps))
+
+
+# Under torch.distributed the guard's decisions are the same on every rank, so these
+# kinds are read from one rank (the lowest); the rest are each rank's own.
+_AGREED = frozenset({"step", "overflow", "spike", "lr_backoff", "rollback", "snapshot",
+                     "resume", "stop", "fault"})  # fmt: skip
+
+
+def _ranks(events: list[Event]) -> list[int]:
+    return sorted({e.rank for e in events})
+
+
+def reduce_stats(tensors_by_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One ``stats`` event's tensors reduced over ranks (the global view): per
+    ``(module, role)``, counts and exponent histograms summed, amax the maximum, format
+    fractions weighted by each rank's element count."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for tensors in tensors_by_rank:
+        for t in tensors:
+            key = (t["module"], t["role"])
+            m = merged.get(key)
+            if m is None:
+                merged[key] = {**t, "formats": {f: dict(v) for f, v in t["formats"].items()},
+                               "hist": list(t["hist"])}  # fmt: skip
+                continue
+            n0, n1 = m["numel"], t["numel"]
+            for f, v in t["formats"].items():
+                mine = m["formats"].setdefault(f, dict.fromkeys(v, 0.0))
+                for k, x in v.items():
+                    if _finite(x) and _finite(mine.get(k)):
+                        mine[k] = (mine[k] * n0 + x * n1) / max(n0 + n1, 1)
+            lo = min(m["hist_from"], t["hist_from"])
+            hi = max(m["hist_from"] + len(m["hist"]), t["hist_from"] + len(t["hist"]))
+            hist = [0] * (hi - lo)
+            for src in (m, t):
+                for i, c in enumerate(src["hist"]):
+                    hist[src["hist_from"] - lo + i] += c
+            amax = max(m["amax"], t["amax"]) if _finite(t["amax"]) else t["amax"]
+            m.update(numel=n0 + n1, nonfinite=m["nonfinite"] + t["nonfinite"],
+                     zeros=m["zeros"] + t["zeros"], hist_from=lo, hist=hist, amax=amax)  # fmt: skip
+    return list(merged.values())
+
+
+def global_view(events: list[Event]) -> list[Event]:
+    """The run as one stream: the agreed kinds from the lowest rank, every rank's own
+    events (warnings, snapshot errors), ``stats`` reduced over ranks per step
+    (:func:`reduce_stats`), and a fault seen only on another rank (logs written before
+    every rank logged faults) kept too. One rank's events come back as they are."""
+    ranks = _ranks(events)
+    if len(ranks) <= 1:
+        return events
+    lead = ranks[0]
+    out: list[Event] = []
+    fault_steps = {e.step for e in events if e.kind == "fault" and e.rank == lead}
+    stats: dict[int, list[list[dict[str, Any]]]] = {}
+    for e in events:
+        if e.kind == "stats":
+            stats.setdefault(e.step, []).append(e["tensors"])
+        elif e.kind in _AGREED:
+            if e.rank == lead:
+                out.append(e)
+            elif e.kind == "fault" and e.step not in fault_steps:
+                fault_steps.add(e.step)
+                out.append(e)
+        else:
+            out.append(e)
+    for step, parts in stats.items():
+        out.append(Event("stats", step, {"tensors": reduce_stats(parts)}, rank=lead))
+    out.sort(key=lambda e: (e.step, e.time))
+    return out
+
+
+def _rank_table(events: list[Event]) -> str:
+    ranks = _ranks(events)
+    if len(ranks) <= 1:
+        return ""
+    born = {(e.step, e.fields.get("fault_rank", e.rank)) for e in events if e.kind == "fault"}
+    rows = []
+    for r in ranks:
+        mine = [e for e in events if e.rank == r]
+        steps = [e for e in mine if e.kind == "step"]
+        stop = next((e for e in reversed(mine) if e.kind == "stop"), None)
+        rows.append(
+            f"<tr><td>rank {r}</td><td>{len(mine)}</td><td>{len(steps)}</td>"
+            f"<td>{sum(1 for e in mine if e.kind == 'fault')}</td>"
+            f"<td>{sum(1 for _, fr in born if fr == r)}</td>"
+            f"<td>{_e(steps[-1]['loss']) if steps else '-'}</td>"
+            f"<td>{_e(stop['reason']) if stop else '-'}</td></tr>"
+        )
+    return (
+        f"<h2>Ranks ({len(ranks)})</h2><p class='muted'>Decisions are taken together: the "
+        f"timeline and faults are rank {ranks[0]}'s view, statistics are reduced over all "
+        "ranks.</p><table><tr><th>rank</th><th>events</th><th>steps</th><th>faults logged"
+        "</th><th>faults born here</th><th>last loss</th><th>stop</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def _finite(v: object) -> bool:
@@ -235,9 +333,11 @@ def _fault_cards(events: list[Event]) -> str:
         det = {True: "deterministic (the replay reproduced it)",
                False: "transient (the replay was clean)", None: "not replayed"}.get(
             f["deterministic"], "?")  # fmt: skip
+        rank = f.fields.get("fault_rank")
+        on = f" on <b>rank {_e(rank)}</b>" if rank is not None else ""
         out.append(
             f'<div class="card"><b>step {f.step}</b>: {_e(f["kind_of_value"])} born in '
-            f"<code>{_e(f['module'] or '<root>')}</code> ({_e(f['phase'])}, "
+            f"<code>{_e(f['module'] or '<root>')}</code>{on} ({_e(f['phase'])}, "
             f"<code>{_e(f['tensor'])}</code>)<br>op: <code>{_e(f['op'] or '-')}</code>; "
             f"line: <code>{_e(f['source'] or '-')}</code><br>shape {_e(f['shape'])}; {det}"
             + _stats_line(f.fields.get("stats"))
@@ -269,32 +369,45 @@ def _findings(found: list[Finding]) -> str:
 
 
 def render_report(
-    source: str | os.PathLike[str] | Iterable[Event],
+    source: str | os.PathLike[str] | Iterable[Event] | Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
     *,
     title: str = "floatguard run report",
 ) -> Path:
-    """Write the report of ``source`` (a JSONL path, or events) into ``out_dir``; the
-    path of ``index.html``. Raises OSError (with the folder named) when it cannot write."""
+    """Write the report of ``source`` (a JSONL path, several paths (one log per rank),
+    or events) into ``out_dir``; the path of ``index.html``. A multi-rank run (one
+    merged log or one per rank) is shown as the ranks' agreed view (:func:`global_view`)
+    with a table per rank and each fault's rank. Raises OSError (with the folder named)
+    when it cannot write."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     problems: list[str] = []
     if isinstance(source, (str, os.PathLike)):
-        events = list(read_events(source, errors=problems))
-        origin = str(source)
+        source = [source]
+    items = list(source)
+    if items and all(isinstance(p, (str, os.PathLike)) for p in items):
+        paths = [Path(p) for p in items]  # type: ignore[arg-type]
+        events = [e for p in paths for e in read_events(p, errors=problems)]
+        origin = ", ".join(str(p) for p in paths)
     else:
-        events = list(source)
+        events = [e for e in items if isinstance(e, Event)]
         origin = "events"
-        log = EventLog(out / "events.jsonl", keep=0)
+        logs: dict[int, EventLog] = {}
         for e in events:
-            log.emit(e.kind, e.step, **e.fields)
-        log.close()
+            if e.rank not in logs:
+                name = "events.jsonl" if e.rank == 0 else f"events-rank{e.rank}.jsonl"
+                logs[e.rank] = EventLog(out / name, keep=0, rank=e.rank)
+            logs[e.rank].emit(e.kind, e.step, **e.fields)
+        for lg in logs.values():
+            lg.close()
+    every_rank = events
+    events = global_view(every_rank)
     verdict = verdict_of(events)
     found = diagnose(events)
     plots = _plots(events, out)
     plots.update(_stats_plots(events, out))
     counts: dict[str, int] = {}
-    for e in events:
+    for e in every_rank:
         counts[e.kind] = counts.get(e.kind, 0) + 1
     rows = "".join(f"<tr><td>{_e(k)}</td><td>{v}</td></tr>" for k, v in sorted(counts.items()))
     problem_html = (
@@ -306,6 +419,7 @@ def render_report(
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{_e(title)}</h1><p class='muted'>from {_e(origin)}</p>",
         f"<div class='verdict {verdict.state}'>{_e(verdict.text)}</div>",
+        _rank_table(every_rank),
         "<h2>Timeline</h2>",
         _img(plots["timeline"], "loss and gradient norm over steps") if "timeline" in plots
         else "<p>No step events.</p>",

@@ -1,0 +1,245 @@
+"""The guard under DDP and FSDP2 on 2 and 4 gloo ranks (CPU, loopback): a fault on one
+rank only is the same decision on every rank, named with its rank; one rank's exception
+ends the others with a clear error, not a hang; a rank off by a step is caught."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from floatguard import Guard, ResponsePolicy, SpikePolicy
+from floatguard.events import read_events
+
+from ._ranks import run_ranks
+
+NAN_BATCH, NAN_WEIGHT, NAN_FORWARD = 5, 9, 13
+STEPS = 16
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _ddp_worker(rank: int, world: int, out: str, faulty: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    model = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(
+        model, opt, log=os.path.join(out, f"run-rank{rank}.jsonl"),
+        spikes=SpikePolicy(window=8, z=6.0, warmup=4), response=ResponsePolicy(snapshot_every=2),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(10 + rank)
+    poison = {"on": False}
+
+    def hook(m: nn.Module, a: Any, out_: torch.Tensor) -> torch.Tensor:
+        return out_ * math.nan if poison["on"] else out_
+
+    net.act.register_forward_hook(hook)
+    results = []
+    for step in range(STEPS):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        if rank == faulty and step == NAN_BATCH:
+            x[0, 0] = math.nan  # a NaN batch on one rank only
+        if rank == faulty and step == NAN_WEIGHT:
+            with torch.no_grad():
+                net.fc2.weight[0, 3] = math.nan  # a corrupted replica on one rank only
+        poison["on"] = rank == faulty and step == NAN_FORWARD  # born in a module forward
+        r = guard.step(lambda x=x, y=y: ((model(x) - y) ** 2).mean())
+        results.append((r.action, r.reason, None if r.fault is None else r.fault.rank,
+                        None if r.fault is None else r.fault.module))  # fmt: skip
+    guard.close()
+    return {"results": results, "params": [p.detach().clone() for p in net.parameters()]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_fault_on_one_rank_is_one_decision_everywhere(tmp_path: Path, world: int) -> None:
+    faulty = world - 1
+    res = run_ranks(_ddp_worker, world, tmp_path, faulty, timeout=180)
+    for r in range(world):
+        assert "results" in res[r], res[r]
+    seq = res[0]["results"]
+    for r in range(1, world):
+        assert res[r]["results"] == seq  # the same action, reason, rank and module
+        for a, b in zip(res[r]["params"], res[0]["params"], strict=True):
+            assert torch.equal(a, b)  # bit-identical replicas after a skip and a rollback
+    assert seq[NAN_BATCH] == ("skipped", "nonfinite_input", faulty, "")
+    assert seq[NAN_WEIGHT] == ("rolled_back", "nonfinite_param", faulty, "fc2")
+    assert seq[NAN_FORWARD][0] == "skipped" and seq[NAN_FORWARD][2:] == (faulty, "act")
+    assert all(torch.isfinite(p).all() for p in res[0]["params"])
+    applied = [s for s, (a, *_rest) in enumerate(seq) if a == "applied"]
+    assert len(applied) >= STEPS - 4
+    # Every rank logs the fault, with the rank it was born on and its own rank.
+    logs = sorted(tmp_path.glob("ranks-*/run-rank*.jsonl"))
+    assert len(logs) == world
+    for path in logs:
+        events = list(read_events(path))
+        faults = {e.step: e for e in events if e.kind == "fault"}
+        assert set(faults) == {NAN_BATCH, NAN_WEIGHT, NAN_FORWARD}
+        assert {f.fields["fault_rank"] for f in faults.values()} == {faulty}
+        assert len({e.rank for e in events}) == 1
+    from typer.testing import CliRunner
+
+    from floatguard.cli import app
+
+    cli = CliRunner().invoke(app, ["report", *map(str, logs), "--out", str(tmp_path / "rep")])
+    assert cli.exit_code == 0, cli.output
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert f"Ranks ({world})" in page and f"on <b>rank {faulty}</b>" in page
+    assert page.count('<div class="card"><b>step') == 3  # each fault once, not once per rank
+
+
+def _fsdp_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = Guard(model, opt, spikes=SpikePolicy(window=8, z=6.0, warmup=4))
+    g = torch.Generator().manual_seed(20 + rank)
+    results = []
+    for step in range(8):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        if rank == 1 and step == 4:
+            x[2, 1] = math.inf
+        before = [p.full_tensor().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+        r = guard.step(lambda x=x, y=y: ((model(x) - y) ** 2).mean())
+        after = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        norm = round(r.grad_norm, 5) if math.isfinite(r.grad_norm) else None
+        results.append((r.action, r.reason, None if r.fault is None else r.fault.rank,
+                        unchanged, norm))  # fmt: skip
+    guard.close()
+    return {"results": results}
+
+
+def test_fsdp2_fault_on_one_rank(tmp_path: Path) -> None:
+    res = run_ranks(_fsdp_worker, 2, tmp_path, timeout=180)
+    assert "results" in res[0] and "results" in res[1], res
+    a, b = res[0]["results"], res[1]["results"]
+    assert a == b  # same actions, reasons, faulting rank, global gradient norm
+    assert a[4][:4] == ("skipped", "nonfinite_input", 1, True)  # nothing changed anywhere
+    assert all(r[0] == "applied" and not r[3] for i, r in enumerate(a) if i != 4)
+
+
+def _raising_worker(rank: int, world: int, out: str, use_ddp: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    model: nn.Module = nn.parallel.DistributedDataParallel(net) if use_ddp else net
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = Guard(model, opt, peer_timeout_s=60.0, peer_grace_s=2.0)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+
+    def closure() -> torch.Tensor:
+        if rank == 1 and guard.step_count == 3:
+            time.sleep(1.0)  # rank 0 is inside its step (in DDP's backward) by now
+            raise ValueError("a user error on rank 1")
+        return ((model(x) - y) ** 2).mean()
+
+    start = time.monotonic()
+    try:
+        for _ in range(6):
+            guard.step(closure)
+    except Exception as e:
+        outcome = (type(e).__name__, str(e), guard.step_count, time.monotonic() - start)
+        if rank == 1:
+            time.sleep(8)  # the raising rank stays alive: its peers must not wait for it
+        return {"outcome": outcome}
+    return {"outcome": None}
+
+
+def test_one_ranks_exception_ends_the_others_with_a_clear_error(tmp_path: Path) -> None:
+    res = run_ranks(_raising_worker, 2, tmp_path, False, timeout=90)
+    name, msg, step, waited = res[0]["outcome"]
+    assert name == "PeerFailed" and step == 3
+    assert "rank 1 failed at guard step 3 (ValueError: a user error on rank 1)" in msg
+    assert waited < 15  # not gloo's timeout
+    assert res[1]["outcome"][0] == "ValueError"
+
+
+def test_under_ddp_the_watchdog_ends_a_rank_blocked_in_backward(tmp_path: Path) -> None:
+    """Rank 0 is inside DDP's gradient all-reduce, which rank 1 (raised in its forward)
+    never joins: the watchdog ends rank 0 after the grace period, saying why."""
+    res = run_ranks(_raising_worker, 2, tmp_path, True, timeout=90)
+    assert res[0].get("exitcode") == 1, res[0]
+    assert "floatguard: rank 0 ends: rank 1 failed at guard step 3" in res[0]["stderr"]
+    assert "ValueError: a user error on rank 1" in res[0]["stderr"]
+
+
+def _desync_worker(rank: int, world: int, out: str, mode: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    spikes = SpikePolicy(z=5.0 if (mode == "config" and rank == 1) else 6.0)
+    guard = Guard(model, opt, distributed=True, spikes=spikes)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    try:
+        for step in range(6):
+            if mode == "step" and rank == 1 and step == 2:
+                guard.step_count += 1  # as if this rank had made one more guard.step() call
+            guard.step(lambda: ((model(x) - y) ** 2).mean())
+    except Exception as e:
+        return {"outcome": (type(e).__name__, str(e))}
+    return {"outcome": None}
+
+
+@pytest.mark.parametrize(
+    ("mode", "words"),
+    [("step", "not on the same step"), ("config", "configured differently")],
+)
+def test_a_rank_on_another_step_or_configuration_stops_every_rank(
+    tmp_path: Path, mode: str, words: str
+) -> None:
+    res = run_ranks(_desync_worker, 2, tmp_path, mode, timeout=90)
+    for r in (0, 1):
+        name, msg = res[r]["outcome"]
+        assert name == "GuardDesync" and words in msg
+
+
+def test_the_packed_read_is_exact() -> None:
+    """The step check and the norm combination, on the host (no processes)."""
+    from floatguard.distributed import GuardDesync, pack, unpack
+
+    z = torch.zeros(())
+    parts = [
+        pack(
+            z,
+            torch.tensor(4.0),
+            torch.tensor(9.0),
+            torch.tensor(1.0),
+            torch.tensor(False),
+            r,
+            4095 + 4096 * 3,
+            77,
+        )
+        for r in range(3)
+    ]
+    total = torch.stack(parts).sum(0).tolist()
+    agreed = unpack(total, 3, 0, 4095, 77)
+    # shards add up, replicas average
+    assert agreed.grad_norm == pytest.approx(math.sqrt(3 * 4.0 + 9.0))
+    assert agreed.loss == 1.0 and not agreed.found and agreed.bad_ranks == ()
+    off = [pack(z, z, z, z, torch.tensor(r == 1), r, 100 + (r == 2), 77) for r in range(3)]
+    with pytest.raises(GuardDesync, match="not on the same step"):
+        unpack(torch.stack(off).sum(0).tolist(), 3, 0, 100, 77)
+    bad = [pack(z, z, z, torch.tensor(math.nan if r == 2 else 0.0), torch.tensor(r == 2), r, 5, 1)
+           for r in range(3)]  # fmt: skip
+    a = unpack(torch.stack(bad).sum(0).tolist(), 3, 0, 5, 1)
+    assert math.isnan(a.loss) and a.bad_ranks == (2,)
+    assert dist.is_available()
