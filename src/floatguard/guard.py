@@ -386,6 +386,14 @@ class Guard:
             raise ValueError(f"Guard.record_loss needs a scalar loss tensor, got {got}")
         self._losses.append(loss.detach().float().reshape(()).to(self.device))
 
+    def has_recorded_losses(self) -> bool:
+        """Whether a loss was recorded (:meth:`backward`, :meth:`record_loss`) for this step."""
+        return bool(self._losses)
+
+    def recorded_loss_is_finite(self) -> bool:
+        """Whether the losses recorded for this step are all finite (one host read)."""
+        return bool(torch.stack(self._losses).isfinite().all()) if self._losses else True
+
     def _region(self) -> contextlib.AbstractContextManager[None]:
         """Where this rank may block in collectives the guard does not own."""
         return self._peers.region() if self._peers is not None else contextlib.nullcontext()
@@ -999,6 +1007,58 @@ class Guard:
         self._snapshots_taken = int(meta.get("snapshots", 0))
         if meta.get("step_rng"):
             set_rng_state(meta["step_rng"])
+
+    def skip_external(
+        self, reason: str = "overflow", *, scale_before: float | None = None,
+        scale_after: float | None = None,
+    ) -> StepResult:  # fmt: skip
+        """Record a step the training framework skipped on its own (an fp16 GradScaler
+        that found an inf and did not call the optimizer): the losses recorded for it
+        are dropped, the buffers restored, the step counted, and an ``overflow`` event
+        (when the scales are given) and a ``step`` event written. One host read."""
+        step = self.step_count
+        self.step_count += 1
+        loss = float(torch.stack(self._losses).mean()) if self._losses else math.nan
+        self._discard()
+        self._state.save()
+        if scale_before is not None and scale_after is not None:
+            self.events.emit("overflow", step, scale_before=scale_before, scale_after=scale_after)
+        scale = scale_after if scale_after is not None else self.scaler.get_scale()
+        self.events.emit(
+            "step", step, action="skipped", reason=reason, loss=loss, grad_norm=math.nan,
+            clip_coef=1.0, scale=scale, lr_factor=self.lr_factor,
+        )  # fmt: skip
+        return StepResult(step, "skipped", reason, loss, math.nan, scale, 1.0, self.lr_factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state, for a framework's checkpoint (Lightning keeps a
+        callback's): step counter, counters, loss scaler, clipper and spike detectors.
+        Not the model, optimizer or scheduler (the framework saves those)."""
+        counters = {k: v for k, v in self._counters().items() if k != "step_rng"}
+        sd: dict[str, Any] = {"step_count": self.step_count, "counters": counters,
+                              "scaler": self.scaler.state_dict()}  # fmt: skip
+        for name in ("zclip", "loss_detector", "norm_detector"):
+            obj = getattr(self, name)
+            if obj is not None:
+                sd[name] = obj.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a guard configured the same way)."""
+        missing = [n for n in ("zclip", "loss_detector", "norm_detector")
+                   if getattr(self, n) is not None and n not in sd]  # fmt: skip
+        if missing or "counters" not in sd:
+            raise ValueError(
+                f"Guard.load_state_dict: the state has no {missing or ['counters']}: it was "
+                "saved by a guard set up differently"
+            )
+        self.step_count = int(sd["step_count"])
+        self._load_counters(sd["counters"])
+        self.scaler.load_state_dict(sd["scaler"])
+        for name in ("zclip", "loss_detector", "norm_detector"):
+            obj = getattr(self, name)
+            if obj is not None:
+                obj.load_state_dict(sd[name])
 
     @property
     def last_snapshot(self) -> Snapshot | None:

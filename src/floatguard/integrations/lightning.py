@@ -1,0 +1,243 @@
+"""floatguard inside Lightning (the ``floatguard[lightning]`` extra).
+
+```python
+from floatguard.integrations.lightning import FloatguardCallback
+trainer = lightning.Trainer(callbacks=[FloatguardCallback()], ...)
+trainer.fit(module, loader)  # events: <default_root_dir>/floatguard-events.jsonl
+```
+
+Lightning's hooks cannot veto an optimizer step either, so the callback puts the guard in
+front of it: at ``on_train_start`` it wraps each optimizer's ``step`` (the torch
+optimizer Lightning's precision plugin calls) and, for schedulers stepped every step
+(``interval="step"``), the scheduler's ``step``. When Lightning steps an optimizer, the
+wrapped step runs Lightning's closure (``training_step``, backward, Lightning's own
+gradient clipping), then the guard decides (one host read) on the losses seen in
+``on_before_backward`` since the last step (every micro-batch under
+``accumulate_grad_batches``):
+
+- *applied*: the optimizer steps, then the step-interval schedulers;
+- *skipped* or *rolled back*: the optimizer does not step (so AdamW's moments and weight
+  decay stay as they were), nor do the schedulers; a rollback restores the module,
+  optimizer and schedulers from the guard's snapshot.
+
+A bad step is localized by replaying ``training_step`` on the step's batches (kept by
+reference from ``on_train_batch_start``). Under ``16-mixed`` a gradient overflow is the
+GradScaler's (it skips and backs off; the guard records the step); Lightning then calls
+``scaler.update()`` after the guard's own skips too, which counts them toward the
+scale's growth. Metrics are logged with ``pl_module.log_dict`` (``floatguard/*``) and the
+guard's state goes into Lightning checkpoints (:meth:`FloatguardCallback.state_dict`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from floatguard.integrations import require
+
+_pl = require("lightning.pytorch", "lightning", "floatguard.integrations.lightning")
+from floatguard.guard import Guard, Precision, StepResult  # noqa: E402
+from floatguard.scaling.loss_scale import DynamicLossScaler  # noqa: E402
+from floatguard.stability.respond import ClipPolicy, ResponsePolicy, SpikePolicy  # noqa: E402
+
+__all__ = ["FloatguardCallback"]
+
+_Callback: Any = _pl.Callback
+
+
+def _precision_of(trainer: Any) -> Precision:
+    p = str(trainer.precision)
+    if p.startswith("bf16"):
+        return "bf16"
+    if p.startswith("16"):
+        return "fp16"
+    return "fp32"
+
+
+def _loss_of(out: Any) -> torch.Tensor | None:
+    loss = out.get("loss") if isinstance(out, dict) else out
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class FloatguardCallback(_Callback):  # type: ignore[misc]
+    """The guard inside a Lightning ``Trainer`` (see the module docstring). One optimizer
+    (Lightning's automatic optimization); ``log``, ``clip``, ``spikes``, ``response`` and
+    ``watch`` as for :class:`floatguard.Guard` (``clip`` defaults to none when the Trainer
+    clips, ``gradient_clip_val``, else ZClip)."""
+
+    def __init__(
+        self,
+        *,
+        log: str | os.PathLike[str] | None = None,
+        clip: ClipPolicy | None = None,
+        spikes: SpikePolicy | None = None,
+        response: ResponsePolicy | None = None,
+        watch: str = "replay",
+    ) -> None:
+        self.log_path = log
+        self.clip = clip
+        self.spikes = spikes
+        self.response = response
+        self.watch = watch
+        self.guard: Guard | None = None
+        self.last: StepResult | None = None
+        self.totals = {"applied": 0, "skipped": 0, "rolled_back": 0}
+        self._batches: list[tuple[Any, int]] = []
+        self._module: Any = None
+        self._applying = False
+        self._replaying = False
+        self._awaiting_step = False
+        self._scaler: Any = None
+        self._restored: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------- set-up
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(
+                f"FloatguardCallback guards one optimizer; this module configured "
+                f"{len(trainer.optimizers)}"
+            )
+        if not pl_module.automatic_optimization:
+            raise ValueError("FloatguardCallback needs automatic optimization")
+        opt = trainer.optimizers[0]
+        per_step = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        log = self.log_path
+        if log is None:
+            rank = int(trainer.global_rank)
+            name = "floatguard-events.jsonl" if rank == 0 else f"floatguard-events-rank{rank}.jsonl"
+            os.makedirs(trainer.default_root_dir, exist_ok=True)
+            log = os.path.join(trainer.default_root_dir, name)
+        clip = self.clip or ClipPolicy(kind="none" if trainer.gradient_clip_val else "zclip")
+        self._module = pl_module
+        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.guard = Guard(
+            pl_module, opt, precision=_precision_of(trainer),
+            scheduler=per_step[0] if per_step else None, clip=clip, spikes=self.spikes,
+            response=self.response, watch=self.watch,  # type: ignore[arg-type]
+            scaler=DynamicLossScaler(enabled=False), log=log,
+        )  # fmt: skip
+        if self._restored is not None:
+            self.guard.load_state_dict(self._restored["guard"])
+            self.totals = dict(self._restored["totals"])
+        self._wrap(opt, "step", self._optimizer_step)
+        for sched in per_step:
+            self._wrap(sched, "step", self._scheduler_step)
+
+    @staticmethod
+    def _wrap(obj: Any, name: str, gate: Callable[..., Any]) -> None:
+        original = getattr(obj, name)
+
+        @functools.wraps(original)  # keeps the LR scheduler's mark on optimizer.step
+        def wrapped(*a: Any, **k: Any) -> Any:
+            return gate(original, *a, **k)
+
+        setattr(obj, name, wrapped)
+
+    # ------------------------------------------------------- collecting
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batches.append((batch, batch_idx))
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self.guard is not None and not self._replaying:
+            self.guard.record_loss(loss)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._awaiting_step = True  # cleared when the (wrapped) optimizer step runs
+
+    # ------------------------------------------------------------ gates
+    def _optimizer_step(
+        self, original: Callable[..., Any], closure: Callable[[], Any] | None = None, **kw: Any
+    ) -> Any:
+        guard = self.guard
+        if guard is None or self._applying:
+            return original(closure, **kw) if closure is not None else original(**kw)
+        result = closure() if closure is not None else None
+        self._awaiting_step = False
+        if closure is not None and result is None and not guard.has_recorded_losses():
+            return None  # training_step returned None: Lightning skips this batch itself
+        if not guard.has_recorded_losses():
+            guard.record_loss(torch.zeros((), device=guard.device))
+        self._applying = True
+        try:
+            self.last = guard.step(replay=self._replay_closures())
+        finally:
+            self._applying = False
+            self._batches = []
+        self.totals[self.last.action] += 1
+        return result
+
+    def _scheduler_step(self, original: Callable[..., Any], *a: Any, **k: Any) -> Any:
+        if self._applying or self.guard is None:
+            return original(*a, **k)
+        return None  # the guard stepped it after an applied step (or not, after a skip)
+
+    def _replay_closures(self) -> list[Callable[[], torch.Tensor]]:
+        module = self._module
+
+        def closure_for(batch: Any, idx: int) -> Callable[[], torch.Tensor]:
+            def closure() -> torch.Tensor:
+                self._replaying = True
+                try:
+                    loss = _loss_of(module.training_step(batch, idx))
+                finally:
+                    self._replaying = False
+                if loss is None:
+                    raise RuntimeError("the replayed training_step returned no loss")
+                return loss
+
+            return closure
+
+        return [closure_for(b, i) for b, i in self._batches]
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._awaiting_step and self.guard is not None:
+            # on_before_optimizer_step ran but the optimizer was not called: the fp16
+            # GradScaler found an inf and skipped the step itself.
+            self._awaiting_step = False
+            scale = float(self._scaler.get_scale()) if self._scaler is not None else None
+            self.last = self.guard.skip_external(
+                "overflow", scale_before=None if scale is None else scale * 2, scale_after=scale
+            )
+            self.totals["skipped"] += 1
+            self._batches = []
+        if self.last is not None and self.guard is not None:
+            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False)
+
+    def metrics(self) -> dict[str, float]:
+        """The numbers logged each step (``floatguard/*``)."""
+        out = {f"floatguard/{k}": float(v) for k, v in self.totals.items()}
+        if self.guard is not None:
+            out["floatguard/faults"] = float(self.guard.events.counts.get("fault", 0))
+            out["floatguard/lr_factor"] = float(self.guard.lr_factor)
+        if self.last is not None:
+            out["floatguard/loss"] = self.last.loss
+            out["floatguard/grad_norm"] = self.last.grad_norm
+        return out
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.guard is not None:
+            self.guard.close()
+
+    # ------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state (:meth:`floatguard.Guard.state_dict`) and the totals,
+        for Lightning's checkpoint."""
+        if self.guard is None:
+            return self._restored or {}
+        return {"guard": self.guard.state_dict(), "totals": dict(self.totals)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        self._restored = state_dict
+        if self.guard is not None:
+            self.guard.load_state_dict(state_dict["guard"])
+            self.totals = dict(state_dict["totals"])

@@ -1,0 +1,149 @@
+"""FloatguardCallback inside transformers.Trainer: tiny GPT-2 and Llama built from configs
+(random weights, no download), a NaN batch, a NaN weight and a loss spike injected. The
+run ends finite; skipped steps leave the optimizer state exactly as it was."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from floatguard.events import read_events  # noqa: E402
+from floatguard.integrations.hf import FloatguardCallback, add_to  # noqa: E402
+from floatguard.stability.respond import ResponsePolicy, SpikePolicy  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+D, T, V = 32, 8, 64
+NAN_BATCH, SPIKE, NAN_WEIGHT = 6, 10, 14  # optimizer steps (one batch per step)
+
+
+class Embeds(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Float inputs (inputs_embeds) so a batch can carry a NaN; labels are token ids. An
+    iterable dataset: the Trainer keeps its order (it shuffles map-style datasets)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, T, D, generator=g) * 0.5
+        self.y = torch.randint(0, V, (n, T), generator=g)
+        self.x[NAN_BATCH * 2, 3, 5] = math.nan  # batch size 2: the first item of that batch
+
+    def __iter__(self) -> Any:
+        for i in range(len(self.x)):
+            yield {"inputs_embeds": self.x[i], "labels": self.y[i]}
+
+
+def _model(kind: str) -> Any:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=4, vocab_size=V, n_positions=T,
+                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg), "transformer.h.1.mlp.c_fc"
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=D, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=V,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg), "model.layers.1.mlp.up_proj"
+
+
+class Inject(transformers.TrainerCallback):  # type: ignore[misc]
+    """Makes the loss spike on step SPIKE (the LM head scaled for that step only) and
+    poisons a weight before step NAN_WEIGHT; records the optimizer state around them."""
+
+    def __init__(self, model: Any, weight: str, guard_cb: FloatguardCallback) -> None:
+        self.model, self.weight, self.cb = model, weight, guard_cb
+        self.head = model.get_output_embeddings().weight
+        self.before: dict[int, Any] = {}
+        self.after: dict[int, Any] = {}
+
+    def _opt_state(self, opt: Any) -> list[torch.Tensor]:
+        st = opt.state_dict()["state"]
+        return [
+            v.clone() for k in sorted(st) for v in st[k].values() if isinstance(v, torch.Tensor)
+        ]
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        step = state.global_step
+        self.before[step] = (self._opt_state(kw["optimizer"]), kw["lr_scheduler"].last_epoch)
+        if step == NAN_WEIGHT:
+            with torch.no_grad():
+                self.model.get_submodule(self.weight).weight[1, 2] = math.nan
+        if step == SPIKE:
+            with torch.no_grad():
+                self.head.mul_(40.0)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        step = state.global_step - 1
+        self.after[step] = (self._opt_state(kw["optimizer"]), kw["lr_scheduler"].last_epoch)
+        if step == SPIKE:
+            with torch.no_grad():
+                self.head.div_(40.0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_trainer_skips_and_rolls_back_for_real(tmp_path: Path, kind: str) -> None:
+    model, weight = _model(kind)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=20,
+        learning_rate=1e-3, weight_decay=0.1, logging_steps=5, report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        lr_scheduler_type="linear", max_grad_norm=1.0,
+    )  # fmt: skip
+    cb = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=6.0),
+                            response=ResponsePolicy(snapshot_every=2))  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Embeds(40))
+    add_to(trainer, cb)
+    inject = Inject(model, weight, cb)
+    trainer.add_callback(inject)
+    trainer.train()
+    events = list(read_events(tmp_path / "floatguard-events.jsonl"))
+    steps = {e.step: e for e in events if e.kind == "step"}
+    assert len(steps) == 20
+    print({s: (e["action"], e["reason"]) for s, e in steps.items() if e["action"] != "applied"})
+    assert (
+        steps[NAN_BATCH]["action"] == "skipped" and steps[NAN_BATCH]["reason"] == "nonfinite_input"
+    )
+    assert steps[SPIKE]["action"] == "skipped" and steps[SPIKE]["reason"] == "loss_spike"
+    assert steps[NAN_WEIGHT]["action"] == "rolled_back"
+    faults = {e.step: e for e in events if e.kind == "fault"}
+    assert faults[NAN_BATCH]["phase"] == "input"
+    assert faults[NAN_WEIGHT]["module"] == weight and faults[NAN_WEIGHT]["phase"] == "param"
+    # A skipped step is a real skip: AdamW's moments and step count, and the LR
+    # schedule, are exactly as before it.
+    for s in (NAN_BATCH, SPIKE):
+        (st0, lr0), (st1, lr1) = inject.before[s], inject.after[s]
+        assert lr0 == lr1
+        assert all(torch.equal(a, b) for a, b in zip(st0, st1, strict=True))
+    (_, lr_a), (_, lr_b) = inject.before[NAN_BATCH - 1], inject.after[NAN_BATCH - 1]
+    assert lr_b == lr_a + 1  # an applied step moves the schedule
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the run ends finite
+    logged = [h for h in trainer.state.log_history if "floatguard/skipped" in h]
+    assert logged and logged[-1]["floatguard/skipped"] == 2.0
+    assert logged[-1]["floatguard/rolled_back"] == 1.0
+    assert any(math.isnan(h["floatguard/loss"]) or h["floatguard/loss"] > 0 for h in logged)
+    assert cb.totals == {"applied": 17, "skipped": 2, "rolled_back": 1}
+
+
+def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import importlib
+    import sys
+
+    real_import = builtins.__import__
+
+    def fake(name: str, *a: Any, **k: Any) -> Any:
+        if name.split(".")[0] == "transformers":
+            raise ImportError("No module named 'transformers'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.delitem(sys.modules, "floatguard.integrations.hf", raising=False)
+    monkeypatch.setattr(builtins, "__import__", fake)
+    monkeypatch.setattr(importlib, "import_module", lambda n: fake(n))
+    with pytest.raises(ImportError, match=r"pip install 'floatguard\[hf\]'"):
+        importlib.reload(sys.modules["floatguard.integrations"])
+        import floatguard.integrations.hf  # noqa: F401
