@@ -12,12 +12,12 @@ from torch import nn
 
 pytest.importorskip("tensorboard")
 
-from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 
-from floatguard import Guard  # noqa: E402
-from floatguard.integrations.tensorboard import TensorBoardSink, export  # noqa: E402
+from floatguard import Guard
+from floatguard.integrations.tensorboard import TensorBoardSink, export
 
 
 def _run(log: Path, sink_dir: Path | None) -> TensorBoardSink | None:
