@@ -18,7 +18,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt "torch==2.13.0"
 	$(PY) -m pip install -c constraints.txt hatchling editables
-	$(PY) -m pip install -c constraints.txt --no-build-isolation -e ".[dev]"
+	$(PY) -m pip install -c constraints.txt --no-build-isolation -e ".[dev,hf,lightning,tensorboard]"
 	$(PY) -m pip check
 	touch $(STAMP)
 
