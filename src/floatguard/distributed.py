@@ -193,10 +193,19 @@ class Peers:
     def all_reduce_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """SUM-all-reduce ``t`` in place, waiting by polling (a peer's failure or the
         timeout ends the wait with :class:`PeerFailed`)."""
+        return self.finish(self.start_sum(t), what)
+
+    def start_sum(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Launch the SUM-all-reduce of ``t`` in place; :meth:`finish` waits for it (the
+        guard launches its read before the backward under DDP, so it overlaps)."""
         import torch.distributed as dist
 
         self.raise_if_failed()
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return work, t
+
+    def finish(self, pending: tuple[Any, torch.Tensor], what: str) -> torch.Tensor:
+        work, t = pending
         self._wait(work, what)
         return t
 

@@ -305,6 +305,8 @@ class Guard:
             else None
         )
         self._fingerprint = config_fingerprint(self._configuration())
+        self._early: tuple[Any, torch.Tensor] | None = None
+        self._early_loss = torch.zeros(())
         self._take_snapshot(0)
 
     def _configuration(self) -> tuple[Any, ...]:
@@ -434,7 +436,8 @@ class Guard:
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:
-                self._forward_backward(closures)
+                self._early = None
+                self._forward_backward(closures, early=self._replicated())
             except BaseException:
                 # The closure failed (a user error, an interrupt): the step did not
                 # happen; nothing of it stays for the next one.
@@ -471,17 +474,40 @@ class Guard:
             )
         return items
 
-    def _forward_backward(self, closures: Sequence[Closure]) -> torch.Tensor:
-        """Run every closure's forward (under autocast) and backward; the mean loss."""
-        for c in closures:
+    def _forward_backward(
+        self, closures: Sequence[Closure], *, early: bool = False
+    ) -> torch.Tensor:
+        """Run every closure's forward (under autocast) and backward; the mean loss.
+        ``early``: under DDP, launch the step's read after the last forward, so the
+        all-reduce overlaps the backward (see :meth:`_launch_early`)."""
+        for i, c in enumerate(closures):
             with self.autocast(), self._region():
                 loss = c()
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(
                     f"the closure must return the loss tensor, got {type(loss).__name__}"
                 )
+            if early and i == len(closures) - 1:
+                self._launch_early(loss)
             self.backward(loss)
         return torch.stack(self._losses).mean()
+
+    def _replicated(self) -> bool:
+        """DDP: every rank's gradients are the same average after backward, so the norm
+        and the overflow flag need no reduction, only the losses and the step check."""
+        return self._peers is not None and isinstance(
+            self.model, nn.parallel.DistributedDataParallel
+        )
+
+    def _launch_early(self, last_loss: torch.Tensor) -> None:
+        assert self._peers is not None
+        losses = [*self._losses, last_loss.detach().float().reshape(())]
+        loss = torch.stack(losses).mean().to(self.device)
+        zero = torch.zeros((), device=self.device)
+        packed = pack(zero, zero, zero, loss, ~torch.isfinite(loss), self._peers.rank,
+                      self.step_count, self._fingerprint)  # fmt: skip
+        self._early = self._peers.start_sum(packed)
+        self._early_loss = loss
 
     # --------------------------------------------------------------- gather
     def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.device]:
@@ -537,6 +563,18 @@ class Guard:
         """This rank's packed read, all-reduced (SUM) once: flags > 0 on any rank stay
         > 0, NaN anywhere stays NaN; see :mod:`floatguard.distributed` for the slots."""
         assert self._peers is not None
+        early, self._early = self._early, None
+        if early is not None:  # DDP: the losses went out before the backward
+            packed = self._peers.finish(early, "step read")
+            n = total_norm(grads).to(dev).double() if grads else packed.new_zeros(())
+            extra = torch.zeros_like(packed)
+            extra[0] = found.double().reshape(())
+            extra[2] = n**2 * self._peers.world  # read back as a mean over the ranks
+            # this rank's bit once: a bad norm on a rank whose loss was already bad adds none
+            bit = float(2**self._peers.rank) if self._peers.rank < 52 else 0.0
+            own_bad = ~torch.isfinite(n) & torch.isfinite(self._early_loss)
+            extra[4] = own_bad.double() * bit
+            return packed + extra
         sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]  # FSDP2 shards
         replicated = [g for g in grads if not hasattr(g, "to_local")]
         zero = torch.zeros((), device=dev, dtype=torch.float64)
