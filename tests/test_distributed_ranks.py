@@ -182,9 +182,10 @@ def test_under_ddp_the_watchdog_ends_a_rank_blocked_in_backward(tmp_path: Path) 
     assert "ValueError: a user error on rank 1" in res[0]["stderr"]
 
 
-def _desync_worker(rank: int, world: int, out: str, mode: str) -> dict[str, Any]:
+def _desync_worker(rank: int, world: int, out: str, mode: str, ddp: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Net()
+    net = Net()
+    model: nn.Module = nn.parallel.DistributedDataParallel(net) if ddp else net
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     spikes = SpikePolicy(z=5.0 if (mode == "config" and rank == 1) else 6.0)
     guard = Guard(model, opt, distributed=True, spikes=spikes)
@@ -200,13 +201,19 @@ def _desync_worker(rank: int, world: int, out: str, mode: str) -> dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    ("mode", "words"),
-    [("step", "not on the same step"), ("config", "configured differently")],
+    ("mode", "ddp", "words"),
+    [
+        ("step", False, "not on the same step"),
+        ("config", False, "configured differently"),
+        # under DDP the read rides on DDP's gradient all-reduce (the guard's comm hook)
+        ("step", True, "steps differ between ranks"),
+        ("config", True, "configurations differ between ranks"),
+    ],
 )
 def test_a_rank_on_another_step_or_configuration_stops_every_rank(
-    tmp_path: Path, mode: str, words: str
+    tmp_path: Path, mode: str, ddp: bool, words: str
 ) -> None:
-    res = run_ranks(_desync_worker, 2, tmp_path, mode, timeout=90)
+    res = run_ranks(_desync_worker, 2, tmp_path, mode, ddp, timeout=90)
     for r in (0, 1):
         name, msg = res[r]["outcome"]
         assert name == "GuardDesync" and words in msg
@@ -243,3 +250,32 @@ def test_the_packed_read_is_exact() -> None:
     a = unpack(torch.stack(bad).sum(0).tolist(), 3, 0, 5, 1)
     assert math.isnan(a.loss) and a.bad_ranks == (2,)
     assert dist.is_available()
+
+
+def _own_hook_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    net = Net()
+    model = nn.parallel.DistributedDataParallel(net)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)  # the user's own hook
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = Guard(model, opt)
+    g = torch.Generator().manual_seed(30 + rank)
+    actions = []
+    for step in range(6):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        if rank == 1 and step == 3:
+            x[1, 1] = math.nan
+        r = guard.step(lambda x=x, y=y: ((model(x) - y) ** 2).mean())
+        actions.append((r.action, r.reason, None if r.fault is None else r.fault.rank))
+    guard.close()
+    return {"actions": actions}
+
+
+def test_a_ddp_model_with_its_own_comm_hook_keeps_it(tmp_path: Path) -> None:
+    """The guard's read rides on DDP's all-reduce only through its own comm hook; a model
+    that has one already keeps it, and the guard all-reduces its read separately."""
+    res = run_ranks(_own_hook_worker, 2, tmp_path, timeout=120)
+    assert res[0]["actions"] == res[1]["actions"]
+    assert res[0]["actions"][3] == ("skipped", "nonfinite_input", 1)

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GuardDesync", "PeerFailed", "Peers", "config_fingerprint"]
+__all__ = ["DDPReadHook", "GuardDesync", "PeerFailed", "Peers", "config_fingerprint"]
 
 _MOD = 4096.0  # step and fingerprint are compared modulo this (exact sums, see above)
 _MSG_BYTES = 1024  # one peer-channel message: a JSON record, zero-padded
@@ -131,6 +131,14 @@ def unpack(values: list[float], world: int, rank: int, step: int, fingerprint: i
         total, squares = values[i], values[i + 1]
         if n * squares != total * total:
             mean = total / n
+            if squares < 0:  # from DDPReadHook: the one-hot residues differed
+                detail = f"{what}s differ between ranks (modulo 16); this rank's {mine}"
+                raise GuardDesync(
+                    f"rank {rank}: the ranks' {detail}: "
+                    + ("a rank skipped or added a guard.step() call. Every rank must call "
+                       "guard.step() exactly once per training step" if what == "step" else
+                       "give every rank the same precision, policies and model")
+                )  # fmt: skip
             if what == "step":
                 raise GuardDesync(
                     f"rank {rank} is deciding guard step {step}, but the ranks are not on the "
@@ -155,6 +163,87 @@ def unpack(values: list[float], world: int, rank: int, step: int, fingerprint: i
         loss=values[SLOTS.loss] / n,
         bad_ranks=bad,
     )
+
+
+_ONE_HOT = 16  # the DDP-hook read compares step and fingerprint modulo 16, one-hot
+
+
+class DDPReadHook:
+    """The step's read carried by DDP's own gradient all-reduce: a comm hook that
+    appends a small float32 tensor (the loss, this rank's bad bit, the step counter and
+    the fingerprint one-hot modulo 16) to the last gradient bucket, so a DDP step pays
+    no extra collective. Registered by the guard with ``register_comm_hook`` (when the
+    model has no hook of its own); without a pending read it is DDP's default
+    all-reduce (gradients divided by the world size, then summed). Bad bits are exact
+    in float32 for ranks below 24 (above, the bad-step all-gather names the rank)."""
+
+    def __init__(self, group: Any, world: int) -> None:
+        self.group = group
+        self.world = world
+        self.pending: torch.Tensor | None = None
+        self.result: torch.Tensor | None = None
+        self.size = 4 + 2 * _ONE_HOT  # the carried read's length (see take)
+
+    def arm(self, loss: torch.Tensor, local_bad: torch.Tensor, rank: int, step: int,
+            fingerprint: int) -> None:  # fmt: skip
+        """Set the read to send with the next backward's last bucket (device, no sync)."""
+        dev = loss.device
+        extra = torch.zeros(2 + 2 * _ONE_HOT, dtype=torch.float32, device=dev)
+        extra[0] = loss.float().reshape(())
+        bit = float(2**rank) if rank < 24 else 0.0
+        extra[1] = local_bad.float().reshape(()) * bit
+        extra[2 + step % _ONE_HOT] = 1.0
+        extra[2 + _ONE_HOT + fingerprint % _ONE_HOT] = 1.0
+        self.pending, self.result = extra, None
+
+    def as_comm_hook(self) -> Any:
+        """The hook for ``DistributedDataParallel.register_comm_hook(None, ...)``: an
+        unannotated callable (DDP checks annotations, and these would be strings here)."""
+        return lambda state, bucket: self(state, bucket)
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        import torch.distributed as dist
+
+        buf = bucket.buffer()
+        extra = self.pending
+        if extra is None or not bucket.is_last() or buf.dtype != torch.float32:
+            work = dist.all_reduce(buf.div_(self.world), group=self.group, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+        self.pending = None
+        n = buf.numel()
+        both = torch.cat([buf.div(self.world), extra.to(buf.device)])
+        fut = dist.all_reduce(both, group=self.group, async_op=True).get_future()
+
+        def split(f: Any) -> torch.Tensor:
+            out: torch.Tensor = f.value()[0]
+            self.result = out[n:].clone()
+            return out[:n]
+
+        return fut.then(split)
+
+    def take(self, found: torch.Tensor, norm: torch.Tensor) -> torch.Tensor | None:
+        """The step's read as carried (float64: this rank's overflow flag and squared
+        norm, then the summed extras), for :meth:`values`; None when the hook did not
+        carry it (no float32 gradient bucket: the guard then all-reduces its read)."""
+        r, self.result = self.result, None
+        if r is None:
+            return None
+        head = torch.stack([found.double().reshape(()), norm.double().reshape(()) ** 2])
+        return torch.cat([head.to(r.device), r.double()])
+
+    def values(self, read: list[float], rank: int, step: int, fingerprint: int) -> list[float]:
+        """The host copy of :meth:`take`'s tensor in :func:`pack`'s layout (summed), for
+        :func:`unpack`: a step or fingerprint residue that not every rank shares becomes
+        a sum whose squares do not match (a negative square), reported as GuardDesync."""
+        found, norm_sq, loss, bits = read[0], read[1], read[2], read[3]
+        hot = read[4:]
+        w = float(self.world)
+        if not math.isfinite(norm_sq) and bits == 0 and rank < 24:
+            bits = float(2**rank)  # nobody's loss was bad: every rank saw the bad norm
+        s, f = float(step % int(_MOD)), float(fingerprint % int(_MOD))
+        s_sq = w * s * s if hot[step % _ONE_HOT] == w else -1.0
+        f_sq = w * f * f if hot[_ONE_HOT + fingerprint % _ONE_HOT] == w else -1.0
+        return [found, 0.0, norm_sq * w, loss, bits, w * s, s_sq, w * f, f_sq]
 
 
 class Peers:
@@ -193,19 +282,10 @@ class Peers:
     def all_reduce_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """SUM-all-reduce ``t`` in place, waiting by polling (a peer's failure or the
         timeout ends the wait with :class:`PeerFailed`)."""
-        return self.finish(self.start_sum(t), what)
-
-    def start_sum(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """Launch the SUM-all-reduce of ``t`` in place; :meth:`finish` waits for it (the
-        guard launches its read before the backward under DDP, so it overlaps)."""
         import torch.distributed as dist
 
         self.raise_if_failed()
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return work, t
-
-    def finish(self, pending: tuple[Any, torch.Tensor], what: str) -> torch.Tensor:
-        work, t = pending
         self._wait(work, what)
         return t
 

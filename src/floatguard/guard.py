@@ -44,6 +44,7 @@ from torch import nn
 
 from floatguard._values import local_part, values_of
 from floatguard.distributed import (
+    DDPReadHook,
     GuardDesync,
     PeerFailed,
     Peers,
@@ -305,9 +306,22 @@ class Guard:
             else None
         )
         self._fingerprint = config_fingerprint(self._configuration())
-        self._early: tuple[Any, torch.Tensor] | None = None
-        self._early_loss = torch.zeros(())
+        self._ddp_hook = self._register_ddp_hook()
+        self._carried = False  # this step's read came on DDP's all-reduce
         self._take_snapshot(0)
+
+    def _register_ddp_hook(self) -> DDPReadHook | None:
+        """Under DDP, carry the step's read on DDP's own gradient all-reduce (no extra
+        collective per step); a model with a comm hook of its own keeps it, and the
+        guard all-reduces its read separately."""
+        if self._peers is None or not isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return None
+        hook = DDPReadHook(self.process_group, self._peers.world)
+        try:
+            self.model.register_comm_hook(None, hook.as_comm_hook())
+        except RuntimeError:  # "can only be called once": the user's hook stays
+            return None
+        return hook
 
     def _configuration(self) -> tuple[Any, ...]:
         """What every rank's guard must share (for the fingerprint): precision, policies
@@ -436,7 +450,6 @@ class Guard:
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:
-                self._early = None
                 self._forward_backward(closures, early=self._replicated())
             except BaseException:
                 # The closure failed (a user error, an interrupt): the step did not
@@ -493,21 +506,16 @@ class Guard:
         return torch.stack(self._losses).mean()
 
     def _replicated(self) -> bool:
-        """DDP: every rank's gradients are the same average after backward, so the norm
-        and the overflow flag need no reduction, only the losses and the step check."""
-        return self._peers is not None and isinstance(
-            self.model, nn.parallel.DistributedDataParallel
-        )
+        """DDP with the guard's comm hook: the step's read rides on the last gradient
+        bucket's all-reduce (armed after the last forward)."""
+        return self._ddp_hook is not None
 
     def _launch_early(self, last_loss: torch.Tensor) -> None:
-        assert self._peers is not None
+        assert self._peers is not None and self._ddp_hook is not None
         losses = [*self._losses, last_loss.detach().float().reshape(())]
         loss = torch.stack(losses).mean().to(self.device)
-        zero = torch.zeros((), device=self.device)
-        packed = pack(zero, zero, zero, loss, ~torch.isfinite(loss), self._peers.rank,
-                      self.step_count, self._fingerprint)  # fmt: skip
-        self._early = self._peers.start_sum(packed)
-        self._early_loss = loss
+        self._ddp_hook.arm(loss, ~torch.isfinite(loss), self._peers.rank, self.step_count,
+                           self._fingerprint)  # fmt: skip
 
     # --------------------------------------------------------------- gather
     def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.device]:
@@ -563,18 +571,14 @@ class Guard:
         """This rank's packed read, all-reduced (SUM) once: flags > 0 on any rank stay
         > 0, NaN anywhere stays NaN; see :mod:`floatguard.distributed` for the slots."""
         assert self._peers is not None
-        early, self._early = self._early, None
-        if early is not None:  # DDP: the losses went out before the backward
-            packed = self._peers.finish(early, "step read")
-            n = total_norm(grads).to(dev).double() if grads else packed.new_zeros(())
-            extra = torch.zeros_like(packed)
-            extra[0] = found.double().reshape(())
-            extra[2] = n**2 * self._peers.world  # read back as a mean over the ranks
-            # this rank's bit once: a bad norm on a rank whose loss was already bad adds none
-            bit = float(2**self._peers.rank) if self._peers.rank < 52 else 0.0
-            own_bad = ~torch.isfinite(n) & torch.isfinite(self._early_loss)
-            extra[4] = own_bad.double() * bit
-            return packed + extra
+        if self._ddp_hook is not None:
+            # DDP: every rank's gradients are the same average, so norm and overflow need
+            # no reduction; the losses and the step check came with the gradients.
+            n = total_norm(grads).to(dev).double() if grads else torch.zeros((), device=dev)
+            carried = self._ddp_hook.take(found, n)
+            if carried is not None:
+                self._carried = True
+                return carried
         sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]  # FSDP2 shards
         replicated = [g for g in grads if not hasattr(g, "to_local")]
         zero = torch.zeros((), device=dev, dtype=torch.float64)
@@ -596,8 +600,17 @@ class Guard:
             from floatguard.distributed import SLOTS
 
             head = SLOTS.size
-            agreed = unpack(values[:head], self._peers.world, self._peers.rank,
-                            self.step_count - 1, self._fingerprint)  # fmt: skip
+            step = self.step_count - 1
+            if self._carried:  # on DDP's gradient all-reduce (DDPReadHook)
+                assert self._ddp_hook is not None
+                self._carried = False
+                head = self._ddp_hook.size
+                summed = self._ddp_hook.values(values[:head], self._peers.rank, step,
+                                               self._fingerprint)  # fmt: skip
+            else:
+                summed = values[:head]
+            agreed = unpack(summed, self._peers.world, self._peers.rank, step,
+                            self._fingerprint)  # fmt: skip
             overflow, norm, loss = agreed.found, agreed.grad_norm, agreed.loss
             bad_ranks = agreed.bad_ranks
         fault = None
