@@ -4,12 +4,12 @@
 Contenders (each rank: a DDP-wrapped GPT, AdamW, fp16 autocast on CPU, batch per rank):
 
 - peer: ``GradScaler.scale(loss).backward(); unscale_; clip_grad_norm_; step; update``
-- the peer plus one all-reduce of 9 float64s: what a single small collective per step
-  costs on gloo (the floor of a design that decides from one)
-- ``Guard.step(closure)`` under DDP: the packed all-reduce (launched after the forward,
-  so on NCCL it overlaps the backward) (flags, norm, loss, step
-  counter and fingerprint) and the one host read per step, ZClip, spike detection,
-  snapshots every 5 steps, the peer channel's listener
+- the peer plus one all-reduce of 9 float64s: what one separate small collective per
+  step costs on gloo (the floor of a design that adds one)
+- ``Guard.step(closure)`` under DDP: the step's read (loss, bad-rank bit, step counter
+  and fingerprint) carried on DDP's own last gradient bucket by the guard's comm hook,
+  the one host read per step, ZClip, spike detection, snapshots every 5 steps, the
+  peer channel's listener
 
 The bench GPT (4 layers, d=128, T=128, batch 16 per rank) and a tiny GPT (1 layer, d=32,
 T=16, batch 8), where fixed per-step costs show most. Figures are rank 0's (the ranks
@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, init: str, out: str, steps: int, rounds: int)
     lines = []
     for name in MODELS:
         contenders = {"DDP + GradScaler + clip_grad_norm_": peer(name, rank),
-                      "the same + one small all-reduce (the floor)": peer_plus_one(name, rank),
+                      "the same + one separate small all-reduce": peer_plus_one(name, rank),
                       "Guard.step(closure), distributed": guarded(name, rank)}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in contenders}
         for fn in contenders.values():
