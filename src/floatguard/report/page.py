@@ -141,6 +141,7 @@ def _rank_table(events: list[Event]) -> str:
             f"<td>{_e(steps[-1]['loss']) if steps else '-'}</td>"
             f"<td>{_e(stop['reason']) if stop else '-'}</td></tr>"
         )
+    per_rank = _rank_stats_table(events, ranks)
     return (
         f"<h2>Ranks ({len(ranks)})</h2><p class='muted'>Decisions are taken together: the "
         f"timeline and faults are rank {ranks[0]}'s view, statistics are reduced over all "
@@ -148,6 +149,38 @@ def _rank_table(events: list[Event]) -> str:
         "</th><th>faults born here</th><th>last loss</th><th>stop</th></tr>"
         + "".join(rows)
         + "</table>"
+        + per_rank
+    )
+
+
+def _rank_stats_table(events: list[Event], ranks: list[int]) -> str:
+    """Per-rank view of the sampled statistics: the largest amax of each module's output
+    on each rank over the run, and the non-finite values each rank saw."""
+    amax: dict[str, dict[int, float]] = {}
+    bad: dict[int, int] = dict.fromkeys(ranks, 0)
+    for e in events:
+        if e.kind != "stats":
+            continue
+        for t in e["tensors"] or []:
+            bad[e.rank] = bad.get(e.rank, 0) + int(t.get("nonfinite", 0))
+            if t.get("role") == "output[0]" and _finite(t.get("amax")):
+                row = amax.setdefault(t["module"] or "<root>", {})
+                row[e.rank] = max(row.get(e.rank, 0.0), float(t["amax"]))
+    if not amax:
+        return ""
+    head = "".join(f"<th>rank {r}</th>" for r in ranks)
+    body = "".join(
+        f"<tr><td><code>{_e(m)}</code></td>"
+        + "".join(f"<td>{row[r]:.4g}</td>" if r in row else "<td>-</td>" for r in ranks)
+        + "</tr>"
+        for m, row in sorted(amax.items())
+    )
+    bad_row = "".join(f"<td>{bad.get(r, 0)}</td>" for r in ranks)
+    return (
+        "<h3>Statistics per rank</h3><p class='muted'>largest amax of each module's output "
+        "over the sampled steps (the Layers plots reduce over ranks)</p>"
+        f"<table><tr><th>module</th>{head}</tr>{body}"
+        f"<tr><td>non-finite values seen</td>{bad_row}</tr></table>"
     )
 
 
