@@ -273,8 +273,9 @@ class Peers:
         if group is not None:
             ranks = [int(dist.get_global_rank(group, r)) for r in ranks]
         self._global = ranks
-        # Every rank of the group builds its guard together, so this collective matches.
-        self._channel = dist.new_group(ranks=ranks, backend="gloo")
+        # Every rank of the group builds its guard together; only they take part (a
+        # guard on a subgroup does not need the other ranks to call this).
+        self._channel = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
         self._listener = threading.Thread(target=self._listen, name="floatguard-peers", daemon=True)
         self._listener.start()
 

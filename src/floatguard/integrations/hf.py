@@ -106,6 +106,7 @@ class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
         self._replaying = False
         self._warned_no_loss = False
         self._scaler: Any = None
+        self._accumulation = 1
 
     # ----------------------------------------------------------- set-up
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -124,6 +125,7 @@ class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
         clip = self.clip or ClipPolicy(kind="none" if args.max_grad_norm > 0 else "zclip")
         # The Trainer's GradScaler scales fp16 losses; the guard's own one stays off.
         self._scaler = getattr(optimizer, "scaler", None)
+        self._accumulation = max(1, int(args.gradient_accumulation_steps))
         self.guard = Guard(
             model, optimizer, precision=precision, scheduler=scheduler, clip=clip,  # type: ignore[arg-type]
             spikes=self.spikes, response=self.response, watch=self.watch,  # type: ignore[arg-type]
@@ -158,6 +160,10 @@ class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
         if not self._training(module) or self.guard is None:
             return
         loss = _loss_of(output)
+        if loss is not None and self._batches and "num_items_in_batch" in self._batches[-1][1]:
+            # The model divided by the whole step's token count: this micro-batch's loss
+            # is a share of the step's; scaled so the guard's mean is the step's loss.
+            loss = loss * self._accumulation
         if loss is None:
             if not self._warned_no_loss:
                 self._warned_no_loss = True
