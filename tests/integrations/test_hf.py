@@ -147,3 +147,40 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ImportError, match=r"pip install 'floatguard\[hf\]'"):
         importlib.reload(sys.modules["floatguard.integrations"])
         import floatguard.integrations.hf  # noqa: F401
+
+
+def test_fp16_overflow_is_the_scalers_and_a_nan_batch_is_the_guards(tmp_path: Path) -> None:
+    """Under fp16 the Trainer's GradScaler handles a gradient overflow (finite loss): it
+    skips and halves the scale, the guard records it. A NaN batch is the guard's: skipped
+    without calling the scaler, whose scale stays; the next steps run normally."""
+    model, _ = _model("gpt2")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=12,
+        learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, fp16=True,
+        disable_tqdm=True, dataloader_num_workers=0, seed=0, max_grad_norm=1.0,
+    )  # fmt: skip
+    cb = FloatguardCallback()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Embeds(24),
+                                   callbacks=[cb])  # fmt: skip
+    # accelerate makes its GradScaler on GPUs only; given one on CPU, the path runs here
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    overflow_at = 9
+    block = model.transformer.h[1].mlp
+
+    def blow_up(m: Any, gin: Any, gout: Any) -> Any:
+        if trainer.state.global_step == overflow_at:
+            return tuple(g * math.inf if g is not None else None for g in gin)
+        return None
+
+    block.register_full_backward_hook(blow_up)
+    trainer.train()
+    events = list(read_events(tmp_path / "floatguard-events.jsonl"))
+    steps = {e.step: (e["action"], e["reason"]) for e in events if e.kind == "step"}
+    assert steps[NAN_BATCH] == ("skipped", "nonfinite_input")
+    assert steps[overflow_at] == ("skipped", "overflow")
+    (ov,) = [e for e in events if e.kind == "overflow"]
+    assert ov.step == overflow_at and ov["scale_after"] == ov["scale_before"] / 2
+    scales = {e.step: e["scale"] for e in events if e.kind == "step"}
+    assert scales[NAN_BATCH] == scales[NAN_BATCH - 1]  # the guard's skip: scale untouched
+    assert cb.totals == {"applied": 10, "skipped": 2, "rolled_back": 0}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
