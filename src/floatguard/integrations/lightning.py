@@ -21,10 +21,12 @@ gradient clipping), then the guard decides (one host read) on the losses seen in
   optimizer and schedulers from the guard's snapshot.
 
 A bad step is localized by replaying ``training_step`` on the step's batches (kept by
-reference from ``on_train_batch_start``). Under ``16-mixed`` a gradient overflow is the
-GradScaler's (it skips and backs off; the guard records the step); Lightning then calls
-``scaler.update()`` after the guard's own skips too, which counts them toward the
-scale's growth. Metrics are logged with ``pl_module.log_dict`` (``floatguard/*``) and the
+reference from ``on_train_batch_start``). Under ``16-mixed`` Lightning's GradScaler sees
+the gradients before the guard: any non-finite gradient (an overflow, but also a NaN
+batch) is its skip and back-off, which the guard records as an ``overflow`` step;
+Lightning also calls ``scaler.update()`` after the guard's own skips (spikes), which
+counts them toward the scale's growth. (In transformers' Trainer the guard decides
+first: there only a finite-loss overflow goes to the scaler.) Metrics are logged with ``pl_module.log_dict`` (``floatguard/*``) and the
 guard's state goes into Lightning checkpoints (:meth:`FloatguardCallback.state_dict`).
 """
 
