@@ -37,8 +37,6 @@ register with :func:`add_to`, which puts the callback first.
 
 from __future__ import annotations
 
-import functools
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -49,9 +47,8 @@ from torch import nn
 from floatguard.integrations import require
 
 _tf = require("transformers", "hf", "floatguard.integrations.hf")
-from floatguard.guard import Guard, StepResult  # noqa: E402
-from floatguard.scaling.loss_scale import DynamicLossScaler  # noqa: E402
-from floatguard.stability.respond import ClipPolicy, ResponsePolicy, SpikePolicy  # noqa: E402
+from floatguard.guard import Guard, Precision  # noqa: E402
+from floatguard.integrations._common import GuardedLoop  # noqa: E402
 
 __all__ = ["FloatguardCallback", "add_to"]
 
@@ -69,7 +66,7 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 _TrainerCallback: Any = _tf.TrainerCallback
 
 
-class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
+class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
     """The guard inside ``transformers.Trainer`` (see the module docstring).
 
     Args:
@@ -83,71 +80,34 @@ class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
         watch: "replay" (default) or "off".
     """
 
-    def __init__(
-        self,
-        *,
-        log: str | os.PathLike[str] | None = None,
-        clip: ClipPolicy | None = None,
-        spikes: SpikePolicy | None = None,
-        response: ResponsePolicy | None = None,
-        watch: str = "replay",
-    ) -> None:
-        self.log = log
-        self.clip = clip
-        self.spikes = spikes
-        self.response = response
-        self.watch = watch
-        self.guard: Guard | None = None
-        self.last: StepResult | None = None
-        self.totals = {"applied": 0, "skipped": 0, "rolled_back": 0}
-        self._batches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        self._handles: list[Any] = []
-        self._applying = False
-        self._replaying = False
-        self._warned_no_loss = False
-        self._scaler: Any = None
-        self._accumulation = 1
+    # (the constructor is GuardedLoop's; these are set up per run in on_train_begin)
+    _warned_no_loss = False
+    _scaler: Any = None
+    _accumulation = 1
 
     # ----------------------------------------------------------- set-up
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model: nn.Module = kwargs["model"]
         optimizer = kwargs["optimizer"]
+        self._batches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         scheduler = kwargs.get("lr_scheduler")
-        precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
-        log = self.log
-        if log is None:
-            import torch.distributed as dist
+        precision: Precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+        import torch.distributed as dist
 
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            name = "floatguard-events.jsonl" if rank == 0 else f"floatguard-events-rank{rank}.jsonl"
-            os.makedirs(args.output_dir, exist_ok=True)
-            log = os.path.join(args.output_dir, name)
-        clip = self.clip or ClipPolicy(kind="none" if args.max_grad_norm > 0 else "zclip")
-        # The Trainer's GradScaler scales fp16 losses; the guard's own one stays off.
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        # The Trainer's GradScaler (accelerate's, fp16 on GPUs) scales the losses.
         self._scaler = getattr(optimizer, "scaler", None)
         self._accumulation = max(1, int(args.gradient_accumulation_steps))
-        self.guard = Guard(
-            model, optimizer, precision=precision, scheduler=scheduler, clip=clip,  # type: ignore[arg-type]
-            spikes=self.spikes, response=self.response, watch=self.watch,  # type: ignore[arg-type]
-            scaler=DynamicLossScaler(enabled=False), log=log,
-        )  # fmt: skip
-        self._wrap(optimizer, "step", self._optimizer_step)
+        self.make_guard(model, optimizer, precision=precision, scheduler=scheduler,
+                        framework_clips=args.max_grad_norm > 0, folder=args.output_dir,
+                        rank=rank)  # fmt: skip
+        self.wrap(optimizer, "step", self._optimizer_step)
         if scheduler is not None:
-            self._wrap(scheduler, "step", self._scheduler_step)
-        self._handles = [
+            self.wrap(scheduler, "step", self.scheduler_step)
+        self._handles: list[Any] = [
             model.register_forward_pre_hook(self._keep_inputs, with_kwargs=True),
             model.register_forward_hook(self._keep_loss),
         ]
-
-    @staticmethod
-    def _wrap(obj: Any, name: str, gate: Callable[..., Any]) -> None:
-        original = getattr(obj, name)
-
-        @functools.wraps(original)  # keeps the LR scheduler's mark on optimizer.step
-        def wrapped(*a: Any, **k: Any) -> Any:
-            return gate(original, *a, **k)
-
-        setattr(obj, name, wrapped)
 
     def _training(self, module: nn.Module) -> bool:
         return module.training and torch.is_grad_enabled() and not self._replaying
@@ -181,24 +141,18 @@ class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
         if guard is None or self._applying:  # the guard's own apply: really step
             return original(*a, **k)
         try:
-            if not guard.has_recorded_losses():
-                guard.record_loss(torch.zeros((), device=guard.device))
             if self._scaler is not None and self._scaler_overflow(guard, original, a, k):
                 return None
             replay = self._replay_closures() if not self._warned_no_loss else None
-            self._applying = True
-            try:
-                self.last = guard.step(replay=replay)
-            finally:
-                self._applying = False
-            self.totals[self.last.action] += 1
+            self.decide(replay)
+            assert self.last is not None
             if self.last.action != "applied" and self._scaler is not None:
                 # The optimizer did not step: reset the GradScaler's per-step state
                 # (its unscale_ record) without touching its scale or growth count.
                 self._scaler.update(self._scaler.get_scale())
             return None
         finally:
-            self._batches = []
+            self._batches = []  # the step is decided: its batches are released
 
     def _scaler_overflow(
         self, guard: Guard, original: Callable[..., Any], a: Any, k: Any
@@ -220,13 +174,6 @@ class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
         )
         self.totals["skipped"] += 1
         return True
-
-    def _scheduler_step(self, original: Callable[..., Any], *a: Any, **k: Any) -> Any:
-        # The guard steps the scheduler after each applied step; the Trainer's own call
-        # (made after skipped steps too) does nothing.
-        if self._applying or self.guard is None:
-            return original(*a, **k)
-        return None
 
     def _replay_closures(self) -> list[Callable[[], torch.Tensor]]:
         assert self.guard is not None
@@ -250,17 +197,6 @@ class FloatguardCallback(_TrainerCallback):  # type: ignore[misc]
         return [closure_for(a, k) for a, k in self._batches]
 
     # -------------------------------------------------------------- logs
-    def metrics(self) -> dict[str, float]:
-        """The numbers :meth:`on_log` adds to the Trainer's logs."""
-        out = {f"floatguard/{k}": float(v) for k, v in self.totals.items()}
-        if self.guard is not None:
-            out["floatguard/faults"] = float(self.guard.events.counts.get("fault", 0))
-            out["floatguard/lr_factor"] = float(self.guard.lr_factor)
-        if self.last is not None:
-            out["floatguard/loss"] = self.last.loss
-            out["floatguard/grad_norm"] = self.last.grad_norm
-        return out
-
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if logs is None or ("loss" not in logs and "train_loss" not in logs):
             return

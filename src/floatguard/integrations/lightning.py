@@ -26,14 +26,13 @@ the gradients before the guard: any non-finite gradient (an overflow, but also a
 batch) is its skip and back-off, which the guard records as an ``overflow`` step;
 Lightning also calls ``scaler.update()`` after the guard's own skips (spikes), which
 counts them toward the scale's growth. (In transformers' Trainer the guard decides
-first: there only a finite-loss overflow goes to the scaler.) Metrics are logged with ``pl_module.log_dict`` (``floatguard/*``) and the
-guard's state goes into Lightning checkpoints (:meth:`FloatguardCallback.state_dict`).
+first: there only a finite-loss overflow goes to the scaler.) Metrics are logged with
+``pl_module.log_dict`` (``floatguard/*``) and the guard's state goes into Lightning
+checkpoints (:meth:`FloatguardCallback.state_dict`).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +41,8 @@ import torch
 from floatguard.integrations import require
 
 _pl = require("lightning.pytorch", "lightning", "floatguard.integrations.lightning")
-from floatguard.guard import Guard, Precision, StepResult  # noqa: E402
-from floatguard.scaling.loss_scale import DynamicLossScaler  # noqa: E402
-from floatguard.stability.respond import ClipPolicy, ResponsePolicy, SpikePolicy  # noqa: E402
+from floatguard.guard import Precision  # noqa: E402
+from floatguard.integrations._common import GuardedLoop  # noqa: E402
 
 __all__ = ["FloatguardCallback"]
 
@@ -65,36 +63,18 @@ def _loss_of(out: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
-class FloatguardCallback(_Callback):  # type: ignore[misc]
+class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
     """The guard inside a Lightning ``Trainer`` (see the module docstring). One optimizer
     (Lightning's automatic optimization); ``log``, ``clip``, ``spikes``, ``response`` and
     ``watch`` as for :class:`floatguard.Guard` (``clip`` defaults to none when the Trainer
     clips, ``gradient_clip_val``, else ZClip)."""
 
-    def __init__(
-        self,
-        *,
-        log: str | os.PathLike[str] | None = None,
-        clip: ClipPolicy | None = None,
-        spikes: SpikePolicy | None = None,
-        response: ResponsePolicy | None = None,
-        watch: str = "replay",
-    ) -> None:
-        self.log_path = log
-        self.clip = clip
-        self.spikes = spikes
-        self.response = response
-        self.watch = watch
-        self.guard: Guard | None = None
-        self.last: StepResult | None = None
-        self.totals = {"applied": 0, "skipped": 0, "rolled_back": 0}
-        self._batches: list[tuple[Any, int]] = []
-        self._module: Any = None
-        self._applying = False
-        self._replaying = False
-        self._awaiting_step = False
-        self._scaler: Any = None
-        self._restored: dict[str, Any] | None = None
+    # (the constructor is GuardedLoop's; these are set up per run in on_train_start)
+    _module: Any = None
+    _awaiting_step = False
+    _scaler: Any = None
+    _restored: dict[str, Any] | None = None
+    _batches: tuple[tuple[Any, int], ...] = ()
 
     # ----------------------------------------------------------- set-up
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -107,43 +87,25 @@ class FloatguardCallback(_Callback):  # type: ignore[misc]
             raise ValueError("FloatguardCallback needs automatic optimization")
         opt = trainer.optimizers[0]
         per_step = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
-        log = self.log_path
-        if log is None:
-            rank = int(trainer.global_rank)
-            name = "floatguard-events.jsonl" if rank == 0 else f"floatguard-events-rank{rank}.jsonl"
-            os.makedirs(trainer.default_root_dir, exist_ok=True)
-            log = os.path.join(trainer.default_root_dir, name)
-        clip = self.clip or ClipPolicy(kind="none" if trainer.gradient_clip_val else "zclip")
         self._module = pl_module
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.guard = Guard(
-            pl_module, opt, precision=_precision_of(trainer),
-            scheduler=per_step[0] if per_step else None, clip=clip, spikes=self.spikes,
-            response=self.response, watch=self.watch,  # type: ignore[arg-type]
-            scaler=DynamicLossScaler(enabled=False), log=log,
-        )  # fmt: skip
+        self.make_guard(pl_module, opt, precision=_precision_of(trainer),
+                        scheduler=per_step[0] if per_step else None,
+                        framework_clips=bool(trainer.gradient_clip_val),
+                        folder=trainer.default_root_dir, rank=int(trainer.global_rank))  # fmt: skip
+        assert self.guard is not None
         if self._restored is not None:
             self.guard.load_state_dict(self._restored["guard"])
             self.totals = dict(self._restored["totals"])
-        self._wrap(opt, "step", self._optimizer_step)
+        self.wrap(opt, "step", self._optimizer_step)
         for sched in per_step:
-            self._wrap(sched, "step", self._scheduler_step)
-
-    @staticmethod
-    def _wrap(obj: Any, name: str, gate: Callable[..., Any]) -> None:
-        original = getattr(obj, name)
-
-        @functools.wraps(original)  # keeps the LR scheduler's mark on optimizer.step
-        def wrapped(*a: Any, **k: Any) -> Any:
-            return gate(original, *a, **k)
-
-        setattr(obj, name, wrapped)
+            self.wrap(sched, "step", self.scheduler_step)
 
     # ------------------------------------------------------- collecting
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._batches.append((batch, batch_idx))
+        self._batches = (*self._batches, (batch, batch_idx))
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self.guard is not None and not self._replaying:
@@ -163,21 +125,11 @@ class FloatguardCallback(_Callback):  # type: ignore[misc]
         self._awaiting_step = False
         if closure is not None and result is None and not guard.has_recorded_losses():
             return None  # training_step returned None: Lightning skips this batch itself
-        if not guard.has_recorded_losses():
-            guard.record_loss(torch.zeros((), device=guard.device))
-        self._applying = True
         try:
-            self.last = guard.step(replay=self._replay_closures())
+            self.decide(self._replay_closures())
         finally:
-            self._applying = False
-            self._batches = []
-        self.totals[self.last.action] += 1
+            self._batches = ()
         return result
-
-    def _scheduler_step(self, original: Callable[..., Any], *a: Any, **k: Any) -> Any:
-        if self._applying or self.guard is None:
-            return original(*a, **k)
-        return None  # the guard stepped it after an applied step (or not, after a skip)
 
     def _replay_closures(self) -> list[Callable[[], torch.Tensor]]:
         module = self._module
@@ -209,20 +161,9 @@ class FloatguardCallback(_Callback):  # type: ignore[misc]
                 "overflow", scale_before=None if scale is None else scale * 2, scale_after=scale
             )
             self.totals["skipped"] += 1
-            self._batches = []
+            self._batches = ()
         if self.last is not None and self.guard is not None:
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False)
-
-    def metrics(self) -> dict[str, float]:
-        """The numbers logged each step (``floatguard/*``)."""
-        out = {f"floatguard/{k}": float(v) for k, v in self.totals.items()}
-        if self.guard is not None:
-            out["floatguard/faults"] = float(self.guard.events.counts.get("fault", 0))
-            out["floatguard/lr_factor"] = float(self.guard.lr_factor)
-        if self.last is not None:
-            out["floatguard/loss"] = self.last.loss
-            out["floatguard/grad_norm"] = self.last.grad_norm
-        return out
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.guard is not None:

@@ -1,0 +1,105 @@
+"""What the Trainer and Lightning callbacks share: their settings, the guard they make,
+the wrapping of a framework's ``step`` methods, the default log path and the metrics."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from floatguard.guard import Guard, Precision, StepResult
+from floatguard.scaling.loss_scale import DynamicLossScaler
+from floatguard.stability.respond import ClipPolicy, ResponsePolicy, SpikePolicy
+
+__all__ = ["GuardedLoop"]
+
+
+class GuardedLoop:
+    """The guard in front of a framework's optimizer step (the callbacks' common part)."""
+
+    def __init__(
+        self,
+        *,
+        log: str | os.PathLike[str] | None = None,
+        clip: ClipPolicy | None = None,
+        spikes: SpikePolicy | None = None,
+        response: ResponsePolicy | None = None,
+        watch: str = "replay",
+    ) -> None:
+        self.log_path = log
+        self.clip = clip
+        self.spikes = spikes
+        self.response = response
+        self.watch = watch
+        self.guard: Guard | None = None
+        self.last: StepResult | None = None
+        self.totals = {"applied": 0, "skipped": 0, "rolled_back": 0}
+        self._applying = False  # the guard's own apply is running: really step
+        self._replaying = False
+
+    def make_guard(
+        self, model: nn.Module, optimizer: Any, *, precision: Precision, scheduler: Any,
+        framework_clips: bool, folder: str, rank: int,
+    ) -> Guard:  # fmt: skip
+        """The guard for this run (the framework's own loss scaler scales fp16 losses, so
+        the guard's stays off); its events go to ``<folder>/floatguard-events.jsonl``
+        (``-rank<r>`` on rank r > 0) unless a log was given."""
+        log = self.log_path
+        if log is None:
+            name = "floatguard-events.jsonl" if rank == 0 else f"floatguard-events-rank{rank}.jsonl"
+            os.makedirs(folder, exist_ok=True)
+            log = os.path.join(folder, name)
+        clip = self.clip or ClipPolicy(kind="none" if framework_clips else "zclip")
+        self.guard = Guard(
+            model, optimizer, precision=precision, scheduler=scheduler, clip=clip,
+            spikes=self.spikes, response=self.response, watch=self.watch,  # type: ignore[arg-type]
+            scaler=DynamicLossScaler(enabled=False), log=log,
+        )  # fmt: skip
+        return self.guard
+
+    @staticmethod
+    def wrap(obj: Any, name: str, gate: Callable[..., Any]) -> None:
+        """Replace ``obj.name`` by ``gate(original, *args, **kwargs)``."""
+        original = getattr(obj, name)
+
+        @functools.wraps(original)  # keeps the LR scheduler's mark on optimizer.step
+        def wrapped(*a: Any, **k: Any) -> Any:
+            return gate(original, *a, **k)
+
+        setattr(obj, name, wrapped)
+
+    def decide(self, replay: list[Callable[[], torch.Tensor]] | None) -> StepResult:
+        """The guard's step on what was recorded (it applies the optimizer step itself)."""
+        assert self.guard is not None
+        if not self.guard.has_recorded_losses():
+            self.guard.record_loss(torch.zeros((), device=self.guard.device))
+        self._applying = True
+        try:
+            self.last = self.guard.step(replay=replay)
+        finally:
+            self._applying = False
+        self.totals[self.last.action] += 1
+        return self.last
+
+    def scheduler_step(self, original: Callable[..., Any], *a: Any, **k: Any) -> Any:
+        """The scheduler gate: the guard steps it after each applied step; the
+        framework's own call (made after skipped steps too) does nothing."""
+        if self._applying or self.guard is None:
+            return original(*a, **k)
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """``floatguard/*``: totals of applied, skipped and rolled-back steps and faults,
+        the LR factor, the last step's loss (NaN when it was) and gradient norm."""
+        out = {f"floatguard/{k}": float(v) for k, v in self.totals.items()}
+        if self.guard is not None:
+            out["floatguard/faults"] = float(self.guard.events.counts.get("fault", 0))
+            out["floatguard/lr_factor"] = float(self.guard.lr_factor)
+        if self.last is not None:
+            out["floatguard/loss"] = self.last.loss
+            out["floatguard/grad_norm"] = self.last.grad_norm
+        return out
