@@ -37,6 +37,9 @@ from torch import nn
 from floatguard import Guard
 from floatguard.demo import GPT, GPTConfig, synthetic_batch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peer_loops import gradscaler_clip_step
+
 MODELS = {
     "bench GPT": (GPTConfig(), 16),
     "tiny GPT": (GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32), 8),
@@ -62,19 +65,7 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def peer(name: str, rank: int) -> Callable[[], None]:
     model, opt, x, y = _setup(name, rank)
-    scaler = torch.amp.GradScaler("cpu")
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = _loss(model, x, y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return gradscaler_clip_step(model, opt, lambda: _loss(model, x, y))
 
 
 def peer_plus_one(name: str, rank: int) -> Callable[[], None]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -29,6 +31,9 @@ from torch import nn
 
 from floatguard import Guard, ResponsePolicy, SpikePolicy
 from floatguard.demo import GPT, GPTConfig, synthetic_batch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peer_loops import gradscaler_clip_step
 
 Step = Callable[[], None]
 MODELS = {
@@ -62,19 +67,7 @@ def peer(model_name: str, precision: str) -> Step:
             opt.zero_grad(set_to_none=True)
 
         return step
-    scaler = torch.amp.GradScaler("cpu")
-
-    def step16() -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = lm_loss(model, x, y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    return step16
+    return gradscaler_clip_step(model, opt, lambda: lm_loss(model, x, y))
 
 
 def guarded(model_name: str, precision: str, watch: str = "replay") -> Step:
