@@ -4,6 +4,7 @@ The public API is what ``__all__`` lists; everything else is private.
 """
 
 from floatguard.audit import AuditReport, audit
+from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.events import Event, EventLog, read_events
 from floatguard.formats import FORMATS, Explanation, Format, explain, quantize
 from floatguard.formats.codec import decode, encode
@@ -46,12 +47,14 @@ __all__ = [
     "Format",
     "GradcheckReport",
     "Guard",
+    "GuardDesync",
     "GuardStopped",
     "LogSumExp",
     "LossSpikeHandler",
     "MasterWeights",
     "Moments",
     "Monitor",
+    "PeerFailed",
     "ReplayResult",
     "ResponsePolicy",
     "RobustSpikeDetector",

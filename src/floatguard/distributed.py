@@ -36,6 +36,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -257,10 +258,14 @@ class Peers:
     timeout).
     """
 
-    def __init__(self, group: Any = None, *, timeout_s: float | None, grace_s: float | None):
+    def __init__(
+        self, group: Any = None, *, timeout_s: float | None, grace_s: float | None,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
         import torch.distributed as dist
 
         self.group = group
+        self.device = device or torch.device("cpu")
         self.rank = int(dist.get_rank(group))
         self.world = int(dist.get_world_size(group))
         self.timeout_s = timeout_s
@@ -275,7 +280,18 @@ class Peers:
         self._global = ranks
         # Every rank of the group builds its guard together; only they take part (a
         # guard on a subgroup does not need the other ranks to call this).
-        self._channel = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        try:
+            self._channel: Any = dist.new_group(
+                ranks=ranks, backend="gloo", use_local_synchronization=True
+            )
+        except (RuntimeError, ValueError) as e:  # a torch built without gloo
+            warnings.warn(
+                f"floatguard: no gloo group for the peer channel ({e}): a rank that fails "
+                "cannot tell the others (they wait for the backend's timeout)",
+                stacklevel=3,
+            )
+            self._channel = None
+            return
         self._listener = threading.Thread(target=self._listen, name="floatguard-peers", daemon=True)
         self._listener.start()
 
@@ -298,8 +314,11 @@ class Peers:
         data = json.dumps(record, default=str).encode()[:_FAULT_BYTES]
         buf = torch.zeros(_FAULT_BYTES, dtype=torch.uint8)
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        group = self._channel
+        if group is None:  # no gloo channel: the guard's own group, on its device
+            group, buf = self.group, buf.to(self.device)
         out = [torch.zeros_like(buf) for _ in range(self.world)]
-        work = dist.all_gather(out, buf, group=self._channel, async_op=True)
+        work = dist.all_gather(out, buf, group=group, async_op=True)
         self._wait(work, what)
         records = []
         for t in out:
@@ -341,7 +360,7 @@ class Peers:
         """Tell every other rank that this one raised ``error`` out of the guard."""
         import torch.distributed as dist
 
-        if self._closed or self.failure is not None:
+        if self._closed or self.failure is not None or self._channel is None:
             return  # a rank that stops because of a peer does not echo the failure
         record = {"rank": self.rank, "step": step, "error": f"{type(error).__name__}: {error}"}
         data = json.dumps(record).encode()[:_MSG_BYTES]

@@ -301,7 +301,7 @@ class Guard:
         )
         self._applied = False  # set just before optimizer.step(): no undo past it
         self._peers = (
-            Peers(process_group, timeout_s=peer_timeout_s, grace_s=peer_grace_s)
+            Peers(process_group, timeout_s=peer_timeout_s, grace_s=peer_grace_s, device=self.device)
             if self.distributed
             else None
         )
