@@ -104,20 +104,24 @@ def test_ddp_fault_on_one_rank_is_one_decision_everywhere(tmp_path: Path, world:
     assert page.count('<div class="card"><b>step') == 3  # each fault once, not once per rank
 
 
-def _fsdp_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+def _fsdp_worker(rank: int, world: int, out: str, watch: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Net()
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = Guard(model, opt, spikes=SpikePolicy(window=8, z=6.0, warmup=4))
+    guard = Guard(model, opt, spikes=SpikePolicy(window=8, z=6.0, warmup=4), watch=watch,
+                  stats_every=3, response=ResponsePolicy(snapshot_every=2))  # fmt: skip
     g = torch.Generator().manual_seed(20 + rank)
     results = []
-    for step in range(8):
+    for step in range(10):
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
         if rank == 1 and step == 4:
             x[2, 1] = math.inf
+        if rank == 1 and step == 7:
+            with torch.no_grad():  # this rank's shard of a weight goes bad
+                model.fc1.weight.to_local()[0, 0] = math.nan  # type: ignore[operator]
         before = [p.full_tensor().clone() for p in model.parameters()]  # type: ignore[attr-defined]
         r = guard.step(lambda x=x, y=y: ((model(x) - y) ** 2).mean())
         after = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
@@ -125,17 +129,29 @@ def _fsdp_worker(rank: int, world: int, out: str) -> dict[str, Any]:
         norm = round(r.grad_norm, 5) if math.isfinite(r.grad_norm) else None
         results.append((r.action, r.reason, None if r.fault is None else r.fault.rank,
                         unchanged, norm))  # fmt: skip
+    stats = len(guard.events.of_kind("stats"))
     guard.close()
-    return {"results": results}
+    full = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+    return {
+        "results": results,
+        "stats": stats,
+        "finite": all(bool(p.isfinite().all()) for p in full),
+    }
 
 
-def test_fsdp2_fault_on_one_rank(tmp_path: Path) -> None:
-    res = run_ranks(_fsdp_worker, 2, tmp_path, timeout=180)
+@pytest.mark.parametrize("watch", ["replay", "hooks"])
+def test_fsdp2_fault_on_one_rank(tmp_path: Path, watch: str) -> None:
+    """FSDP2 (fully_shard) on 2 ranks, with sampled statistics (the hooks read each
+    rank's shards, never a collective inside a hook): a bad input and one rank's bad
+    shard are one decision everywhere, named with the rank."""
+    res = run_ranks(_fsdp_worker, 2, tmp_path, watch, timeout=180)
     assert "results" in res[0] and "results" in res[1], res
     a, b = res[0]["results"], res[1]["results"]
     assert a == b  # same actions, reasons, faulting rank, global gradient norm
     assert a[4][:4] == ("skipped", "nonfinite_input", 1, True)  # nothing changed anywhere
-    assert all(r[0] == "applied" and not r[3] for i, r in enumerate(a) if i != 4)
+    assert a[7][:3] == ("rolled_back", "nonfinite_param", 1)
+    assert all(r[0] == "applied" and not r[3] for i, r in enumerate(a) if i not in (4, 7))
+    assert res[0]["finite"] and res[1]["finite"] and res[0]["stats"] >= 2
 
 
 def _raising_worker(rank: int, world: int, out: str, use_ddp: bool) -> dict[str, Any]:

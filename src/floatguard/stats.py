@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from floatguard import _native
-from floatguard._values import stored_values
+from floatguard._values import local_part, stored_values
 from floatguard.formats.codec import _decode
 from floatguard.formats.registry import Format, get
 
@@ -266,7 +266,12 @@ def _sparse_stats(x: torch.Tensor) -> TensorStats:
 
 
 def _native_read(x: torch.Tensor) -> tuple[TensorStats, torch.Tensor, torch.Tensor] | None:
-    """The one-pass kernel's answer for a non-empty CPU float32/bf16/fp16 tensor."""
+    """The one-pass kernel's answer for a non-empty CPU float32/bf16/fp16 tensor. A
+    DTensor is read by this rank's part; other tensor subclasses (whose data pointer
+    need not be real memory) go to the torch path."""
+    x = local_part(x)
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):
+        return None
     if x.device.type != "cpu" or x.dtype not in _NATIVE_DTYPES or x.numel() == 0:
         return None
     xf = x.detach().reshape(-1)
@@ -279,10 +284,12 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
     Half inputs are read in float32; integer, bool and complex tensors raise
     TypeError (pass ``torch.view_as_real(z)`` for a complex one's components). A
     sparse tensor's stats are those of the dense tensor it stands for: its stored
-    values, coalesced, plus the zeros it does not store.
+    values, coalesced, plus the zeros it does not store. A DTensor (an FSDP2 shard) is
+    read by this rank's part, with no collective (the report reduces over ranks).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tensor_stats expects a torch.Tensor, got {type(x).__name__}")
+    x = local_part(x)
     if not x.is_floating_point():
         raise TypeError(f"tensor_stats needs a floating-point tensor, got {x.dtype}")
     if x.layout != torch.strided:

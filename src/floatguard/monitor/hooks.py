@@ -41,7 +41,7 @@ from torch.utils._pytree import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from floatguard._values import values_of
+from floatguard._values import local_part, values_of
 from floatguard.formats.registry import get
 from floatguard.monitor import _context
 from floatguard.monitor.bounds import (
@@ -503,6 +503,10 @@ class Monitor:
         t: torch.Tensor,
         proof: tuple[Rule, list[int]] | None = None,
     ) -> Record:
+        # A DTensor (FSDP2's sharded parameters and gradients) is read by this rank's
+        # part: a DTensor op here would run a collective inside a hook, out of step
+        # with the other ranks' collectives (a deadlock).
+        t = local_part(t)
         stats_on = self._stats_on()
         stats: TensorStats | None = None
         if proof is not None and not stats_on:
