@@ -151,10 +151,10 @@ def test_attention_opt_in_on_a_transformer_layer_and_restore(
     layer.train()  # the fast path (no SDPA call) is for eval only
     want = layer(x, src_mask=mask, is_causal=True)
     cov = emulate(layer, EXACT, attention=True)
-    # MultiheadAttention uses its projections' parameters itself: reported, never swapped
-    assert cov.left["MultiheadAttention"] == ["self_attn", "self_attn.out_proj"]
-    assert list(cov) == ["linear1", "linear2"] and cov.attention
-    assert "scaled_dot_product_attention" in cov.summary()
+    # MultiheadAttention applies its projections' parameters itself (F.linear): covered
+    # as one module, its out_proj child never swapped
+    assert list(cov) == ["self_attn", "linear1", "linear2"] and cov.attention
+    assert cov.left == {} and "scaled_dot_product_attention" in cov.summary()
     torch.testing.assert_close(layer(x, src_mask=mask, is_causal=True), want, rtol=1e-5, atol=1e-5)
     restore(layer)
     emulate(layer, TW, attention=True)
@@ -174,3 +174,47 @@ def test_attention_opt_in_on_a_transformer_layer_and_restore(
         mlp(torch.randn(2, 4))
     assert sum("called no scaled_dot_product_attention" in r.message for r in caplog.records) == 1
     restore(mlp)
+
+
+class _CountingRecipe(TensorRecipe):
+    """Quantizes nothing, counts the GEMM operands it is asked for."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        self.calls += 1
+        return QuantResult(x, torch.ones(()), torch.zeros((), dtype=torch.long))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_multihead_attention_projections_are_emulated_in_train_and_eval(training: bool) -> None:
+    """nn.Transformer: every MultiheadAttention's in- and out-projection runs as an
+    emulated GEMM, also in eval mode, where torch's fused fast paths would skip them."""
+    torch.manual_seed(5)
+    t = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
+                       dim_feedforward=64, dropout=0.0, batch_first=True)  # fmt: skip
+    t.train(training)
+    src, tgt = torch.randn(2, 7, 32), torch.randn(2, 5, 32)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    with torch.no_grad():
+        want = t(src, tgt, tgt_mask=mask)
+    counter = _CountingRecipe()
+    cov = emulate(t, EmulationRecipe(counter, PassThrough(), None))
+    mha = [n for n, m in t.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    assert set(mha) <= set(cov) and len(mha) == 3 and "MultiheadAttention" not in cov.left
+    with torch.no_grad():
+        got = t(src, tgt, tgt_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same GEMMs
+    # 3 attention blocks x (in-projection: 1 packed self-attn or 2 for cross-attn, +
+    # out-projection) + 4 feed-forward Linears: every one went through the recipe
+    assert counter.calls == (2 + 2 + 3) + 4
+    assert torch.backends.mha.get_fastpath_enabled()  # put back after the forward
+    restore(t)
+    lossy = emulate(t, TW)
+    assert "decoder.layers.0.multihead_attn" in lossy
+    with torch.no_grad():
+        assert not torch.allclose(t(src, tgt, tgt_mask=mask), want, atol=1e-3)
+    restore(t)
+    with torch.no_grad():
+        torch.testing.assert_close(t(src, tgt, tgt_mask=mask), want, rtol=0, atol=0)

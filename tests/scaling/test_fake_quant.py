@@ -80,9 +80,8 @@ def test_accumulation_emulation() -> None:
 def test_bad_emulate_arguments() -> None:
     with pytest.raises(TypeError, match="EmulationRecipe"):
         emulate(nn.Linear(2, 2), Tensorwise())  # type: ignore[arg-type]
-    with pytest.raises(
-        ValueError, match=r"only subclasses of nn\.Linear, nn\.Conv1d or nn\.Conv2d"
-    ):
+    why = r"only subclasses of nn\.Linear, nn\.Conv1d, nn\.Conv2d or nn\.MultiheadAttention"
+    with pytest.raises(ValueError, match=why):
         emulate(nn.Linear(2, 2), EmulationRecipe.mxfp8(), modules=(nn.Conv3d,))
 
 
