@@ -40,6 +40,7 @@ class GuardedLoop:
         self.totals = {"applied": 0, "skipped": 0, "rolled_back": 0}
         self._applying = False  # the guard's own apply is running: really step
         self._replaying = False
+        self._wrapped: list[tuple[Any, str, Any]] = []
 
     def make_guard(
         self, model: nn.Module, optimizer: Any, *, precision: Precision, scheduler: Any,
@@ -61,16 +62,29 @@ class GuardedLoop:
         )  # fmt: skip
         return self.guard
 
-    @staticmethod
-    def wrap(obj: Any, name: str, gate: Callable[..., Any]) -> None:
-        """Replace ``obj.name`` by ``gate(original, *args, **kwargs)``."""
+    def wrap(self, obj: Any, name: str, gate: Callable[..., Any]) -> None:
+        """Replace ``obj.name`` by ``gate(original, *args, **kwargs)`` until :meth:`unwrap`."""
         original = getattr(obj, name)
+        had_own = name in vars(obj)  # an instance attribute (not the class's method)
 
         @functools.wraps(original)  # keeps the LR scheduler's mark on optimizer.step
         def wrapped(*a: Any, **k: Any) -> Any:
             return gate(original, *a, **k)
 
         setattr(obj, name, wrapped)
+        self._wrapped.append((obj, name, original if had_own else None))
+
+    def unwrap(self) -> None:
+        """Put every wrapped method back (at the end of training: a second ``train()``
+        wraps afresh, never twice) and close the guard's event log."""
+        for obj, name, original in reversed(self._wrapped):
+            if original is None:
+                delattr(obj, name)  # the class's method shows through again
+            else:
+                setattr(obj, name, original)
+        self._wrapped = []
+        if self.guard is not None:
+            self.guard.close()
 
     def decide(self, replay: list[Callable[[], torch.Tensor]] | None) -> StepResult:
         """The guard's step on what was recorded (it applies the optimizer step itself)."""

@@ -209,8 +209,7 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self.guard is not None:
-            self.guard.close()
+        self.unwrap()
 
 
 def add_to(trainer: Any, callback: FloatguardCallback | None = None) -> FloatguardCallback:

@@ -166,8 +166,7 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.guard is not None:
-            self.guard.close()
+        self.unwrap()
 
     # ------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
