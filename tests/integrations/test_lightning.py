@@ -122,3 +122,26 @@ def test_missing_extra_names_it() -> None:
         require(
             "lightning_not_installed_anywhere", "lightning", "floatguard.integrations.lightning"
         )
+
+
+def test_the_guard_state_goes_through_a_lightning_checkpoint(tmp_path: Path) -> None:
+    """Saved with trainer.save_checkpoint, restored by fit(ckpt_path=...): the new
+    callback's guard continues the step count, totals and spike statistics."""
+    kw: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    first = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=12.0))
+    trainer = pl.Trainer(max_epochs=1, callbacks=[first], **kw)
+    trainer.fit(Module(), _data(1))
+    ckpt = tmp_path / "one.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = first.state_dict()
+    second = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=12.0))
+    again = pl.Trainer(max_epochs=2, callbacks=[second], **kw)
+    again.fit(Module(), _data(1), ckpt_path=str(ckpt))
+    assert second.guard is not None
+    assert second.guard.step_count == saved["guard"]["step_count"] + 20 == 40
+    assert sum(second.totals.values()) == 40  # the totals went on from the checkpoint
+    steps = [e.step for e in second.guard.events.of_kind("step")]
+    assert steps[0] == 20 and steps[-1] == 39  # its events continue the step numbers
