@@ -235,6 +235,21 @@ def test_a_rank_on_another_step_or_configuration_stops_every_rank(
         assert name == "GuardDesync" and words in msg
 
 
+def test_the_fingerprint_ignores_memory_addresses() -> None:
+    from floatguard.distributed import config_fingerprint
+
+    class P:
+        def __init__(self, f: object) -> None:
+            self.f = f
+
+        def __repr__(self) -> str:
+            return f"P({self.f!r})"
+
+    a, b = P(lambda: 1), P(lambda: 1)  # reprs differ only by address
+    assert repr(a) != repr(b) and config_fingerprint(a) == config_fingerprint(b)
+    assert config_fingerprint(("fp16", 1)) != config_fingerprint(("bf16", 1))
+
+
 def test_the_packed_read_is_exact() -> None:
     """The step check and the norm combination, on the host (no processes)."""
     from floatguard.distributed import GuardDesync, pack, unpack
