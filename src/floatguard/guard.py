@@ -406,9 +406,12 @@ class Guard:
         """Whether a loss was recorded (:meth:`backward`, :meth:`record_loss`) for this step."""
         return bool(self._losses)
 
-    def recorded_loss_is_finite(self) -> bool:
-        """Whether the losses recorded for this step are all finite (one host read)."""
-        return bool(torch.stack(self._losses).isfinite().all()) if self._losses else True
+    def recorded_losses_finite(self) -> torch.Tensor:
+        """Whether the losses recorded for this step are all finite: a device bool, no
+        sync (read it together with what else the caller needs)."""
+        if not self._losses:
+            return torch.ones((), dtype=torch.bool, device=self.device)
+        return torch.stack(self._losses).isfinite().all()
 
     def _region(self) -> contextlib.AbstractContextManager[None]:
         """Where this rank may block in collectives the guard does not own."""

@@ -164,8 +164,8 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
         if not grads:
             return False
         bad = torch.stack([g.detach().isfinite().all() for g in grads]).all().logical_not()
-        finite_loss = guard.recorded_loss_is_finite()
-        if not (bool(bad) and finite_loss):
+        bad_grads, finite_loss = torch.stack([bad, guard.recorded_losses_finite()]).tolist()
+        if not (bad_grads and finite_loss):
             return False
         before = float(self._scaler.get_scale())
         original(*a, **k)  # scaler.step skips the optimizer, scaler.update backs off
