@@ -184,3 +184,43 @@ def test_fp16_overflow_is_the_scalers_and_a_nan_batch_is_the_guards(tmp_path: Pa
     assert scales[NAN_BATCH] == scales[NAN_BATCH - 1]  # the guard's skip: scale untouched
     assert cb.totals == {"applied": 10, "skipped": 2, "rolled_back": 0}
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _ddp_trainer_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    # torch.distributed is initialized (gloo, by the test harness); accelerate reads
+    # these and uses the existing group
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # fmt: skip
+    model, _ = _model("gpt2")
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, max_steps=10, report_to=[],
+        save_strategy="no", use_cpu=True, disable_tqdm=True, ddp_backend="gloo",
+        dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    cb = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=12.0))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Embeds(40),
+                                   callbacks=[cb])  # fmt: skip
+    trainer.train()
+    assert cb.guard is not None and cb.guard.distributed
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"totals": cb.totals, "params": params}
+
+
+def test_trainer_under_ddp_decides_alike_on_every_rank(tmp_path: Path) -> None:
+    """Two gloo ranks (the Trainer's own DDP): the NaN item lands in one rank's batch;
+    both ranks skip that step, name that rank, and end with identical weights."""
+    from tests._ranks import run_ranks
+
+    res = run_ranks(_ddp_trainer_worker, 2, tmp_path, timeout=180)
+    assert "totals" in res[0] and "totals" in res[1], res
+    assert res[0]["totals"] == res[1]["totals"] == {"applied": 9, "skipped": 1, "rolled_back": 0}
+    assert all(torch.equal(a, b) for a, b in zip(res[0]["params"], res[1]["params"], strict=True))
+    logs = sorted(tmp_path.glob("ranks-*/floatguard-events*.jsonl"))
+    assert len(logs) == 2
+    for log in logs:
+        events = list(read_events(log))
+        skipped = [
+            (e.step, e["reason"]) for e in events if e.kind == "step" and e["action"] != "applied"
+        ]
+        faults = [e.fields["fault_rank"] for e in events if e.kind == "fault"]
+        assert len(skipped) == 1 and skipped[0][1] == "nonfinite_input" and faults == [0]
