@@ -687,6 +687,8 @@ class Guard:
         if not found:
             return None
         best = found[0]
+        if mine is not None and best == mine:
+            best = mine  # this rank's own finding, with its value statistics (not sent)
         if best.deterministic is not True and read.bad_ranks:
             best = dataclasses.replace(best, rank=read.bad_ranks[0])  # where the read saw it
         return best
