@@ -32,6 +32,7 @@ act), then the steps it names, each a method of a few lines.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,7 @@ from torch import nn
 
 from floatguard._values import local_part, values_of
 from floatguard.distributed import (
+    SLOTS,
     DDPReadHook,
     GuardDesync,
     PeerFailed,
@@ -453,7 +455,7 @@ class Guard:
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:
-                self._forward_backward(closures, early=self._replicated())
+                self._forward_backward(closures, early=self._ddp_hook is not None)
             except BaseException:
                 # The closure failed (a user error, an interrupt): the step did not
                 # happen; nothing of it stays for the next one.
@@ -494,8 +496,8 @@ class Guard:
         self, closures: Sequence[Closure], *, early: bool = False
     ) -> torch.Tensor:
         """Run every closure's forward (under autocast) and backward; the mean loss.
-        ``early``: under DDP, launch the step's read after the last forward, so the
-        all-reduce overlaps the backward (see :meth:`_launch_early`)."""
+        ``early``: under DDP, arm the guard's comm hook after the last forward, so the
+        step's read rides on DDP's gradient all-reduce (see :meth:`_launch_early`)."""
         for i, c in enumerate(closures):
             with self.autocast(), self._region():
                 loss = c()
@@ -507,11 +509,6 @@ class Guard:
                 self._launch_early(loss)
             self.backward(loss)
         return torch.stack(self._losses).mean()
-
-    def _replicated(self) -> bool:
-        """DDP with the guard's comm hook: the step's read rides on the last gradient
-        bucket's all-reduce (armed after the last forward)."""
-        return self._ddp_hook is not None
 
     def _launch_early(self, last_loss: torch.Tensor) -> None:
         assert self._peers is not None and self._ddp_hook is not None
@@ -600,8 +597,6 @@ class Guard:
         overflow, norm, loss = values[0] > 0, values[1], values[2]
         bad_ranks: tuple[int, ...] = ()
         if self._peers is not None:
-            from floatguard.distributed import SLOTS
-
             head = SLOTS.size
             step = self.step_count - 1
             if self._carried:  # on DDP's gradient all-reduce (DDPReadHook)
@@ -675,8 +670,6 @@ class Guard:
         else the first finding, named with its rank; without distributed, ``local``."""
         if self._peers is None:
             return local
-        import dataclasses
-
         mine = None if local is None else dataclasses.replace(local, rank=self._peers.rank)
         records = self._peers.all_gather_json(
             {"fault": None if mine is None else mine.to_record()}, f"agreement on the {what}"
