@@ -33,6 +33,7 @@ def test_every_field_type_round_trips(tmp_path: Path) -> None:
         "deterministic": True,
         "stats": {"numel": 12, "nan": 1, "amax": 3.5, "min": -math.inf},
         "fault_rank": 3,
+        "cause": "nonfinite_loss",
     }
     log = EventLog(path)
     log.emit("fault", 7, **values)
@@ -73,7 +74,7 @@ def test_the_envelope_cannot_be_overwritten_and_fields_are_exact() -> None:
     with pytest.raises(ValueError, match=r"unknown event kind 'stpe'.*known: fault"):
         log.emit("stpe", 0)
     with pytest.raises(ValueError, match=r"missing fields \['value'\], unexpected \['threshold'\]"):
-        check_event("spike", {"signal": "loss", "threshold": 3.0})
+        check_event("spike", {"signal": "loss", "reproduced": None, "threshold": 3.0})
     assert log.events == [] and not log.counts
 
 

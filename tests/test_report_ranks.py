@@ -30,7 +30,8 @@ def _write(log: EventLog, rank: int) -> None:
         if bad:  # every rank logs the agreed fault, born on rank 1
             log.emit("fault", step, phase="input", module="", tensor="input[0]",
                      kind_of_value="nan", shape=[4], op="input", source=None,
-                     deterministic=True, stats=None, fault_rank=1)  # fmt: skip
+                     deterministic=True, stats=None, fault_rank=1,
+                     cause="nonfinite_input")  # fmt: skip
         if step == 4:
             t = _tensor(2.0 + rank, -3 + rank, [1, 2], 0.1 * (rank + 1), 10 * (rank + 1))
             log.emit("stats", step, tensors=[t])

@@ -48,10 +48,10 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "step": ("action", "reason", "loss", "grad_norm", "clip_coef", "scale", "lr_factor"),
         "fault": (
             "phase", "module", "tensor", "kind_of_value", "shape", "op", "source",
-            "deterministic", "stats", "fault_rank",
+            "deterministic", "stats", "fault_rank", "cause",
         ),
         "overflow": ("scale_before", "scale_after"),
-        "spike": ("signal", "value"),
+        "spike": ("signal", "value", "reproduced"),
         "lr_backoff": ("factor",),
         "rollback": ("to_step", "rollbacks", "skip_batches", "cause"),
         "snapshot": ("where",),

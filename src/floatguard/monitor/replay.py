@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from floatguard._values import local_part, values_of
 from floatguard.monitor import _context
-from floatguard.monitor.localize import Phase
+from floatguard.monitor.localize import Fault, Phase
 from floatguard.stats import TensorStats, tensor_stats
 
 __all__ = ["ReplayResult", "replay"]
@@ -102,6 +102,23 @@ class ReplayResult:
         return (
             f"{self.kind} first produced by {self.op}{where} in {self.phase} "
             f"({self.tensor}) at {self.source}{det}"
+        )
+
+    def to_fault(self, step: int, *, deterministic: bool | None) -> Fault:
+        """This birth as the guard's :class:`~floatguard.monitor.localize.Fault` of
+        ``step`` (the output's statistics kept; ``deterministic`` as the guard judged
+        it: whether the replayed step was bad again)."""
+        return Fault(
+            step=step,
+            phase=self.phase,
+            module=self.module if self.module is not None else "",
+            tensor=self.tensor,
+            kind=self.kind,
+            shape=self.shape,
+            stats=self.outputs[0] if self.outputs else None,
+            op=self.op,
+            source=self.source,
+            deterministic=deterministic,
         )
 
 

@@ -16,17 +16,28 @@ SnapshotErrorPolicy = Literal["retry", "disable", "raise"]
 
 
 class GuardStopped(RuntimeError):
-    """Raised when the response ladder is exhausted (too many rollbacks)."""
+    """Raised when the guard stops the run: ``report`` holds the step, the stop's
+    ``reason`` (a :data:`~floatguard.causes.StopReason`), the ``cause``, the rollbacks,
+    the number of events written and the fault as text; ``fault`` is the fault itself
+    (a :class:`~floatguard.monitor.localize.Fault`, None when there was none)."""
 
-    def __init__(self, message: str, report: Mapping[str, object]) -> None:
+    def __init__(
+        self, message: str, report: Mapping[str, object], fault: object | None = None
+    ) -> None:
         super().__init__(message)
         self.report = dict(report)
+        self.fault = fault
 
 
 @dataclass(frozen=True)
 class ClipPolicy:
     """``kind="zclip"`` (default, ``zclip`` holds its settings), ``"norm"`` (clip the
-    total norm to ``max_norm``), ``"value"`` (clamp elements to ``max_value``) or ``"none"``."""
+    total norm to ``max_norm``), ``"value"`` (clamp elements to ``max_value``) or ``"none"``.
+
+    ``norm_type``: the norm the guard measures, clips on and watches for spikes (2 by
+    default, ``math.inf`` for the largest element, any p >= 1). Under
+    torch.distributed only 2 is supported (the ranks add squared norms).
+    """
 
     kind: ClipKind = "zclip"
     max_norm: float = 1.0
@@ -41,6 +52,15 @@ class ClipPolicy:
             )
         if not self.max_norm > 0 or not self.max_value > 0:
             raise ValueError("ClipPolicy.max_norm and max_value must be > 0")
+        if (
+            isinstance(self.norm_type, bool)
+            or not isinstance(self.norm_type, (int, float))
+            or not self.norm_type >= 1
+        ):
+            raise ValueError(
+                f"ClipPolicy.norm_type={self.norm_type!r} must be a number >= 1 (2 for the "
+                "Euclidean norm, math.inf for the largest element)"
+            )
 
 
 @dataclass(frozen=True)
@@ -83,6 +103,11 @@ class ResponsePolicy:
       ``lr_recovery_steps`` good steps); after ``rollback_after`` restore the last
       snapshot and skip the next ``skip_batches`` batches (the PaLM recipe; 0 by
       default: no good batch is thrown away unless you ask);
+    - a batch that is non-finite when the step is given it (``nonfinite_input``) is
+      skipped; ``bad_data_warn_after`` of them in a row is a ``warning`` event;
+      ``bad_data_stop_after`` in a row, or a ``bad_data_stop_fraction`` of the last
+      ``bad_data_window`` decided steps (once ``bad_data_stop_after`` were seen) stops the run
+      (reason ``bad_data``): the data pipeline produces non-finite values;
     - the same deterministic fault again after a rollback, before the next snapshot:
       stop (:class:`GuardStopped`) with the fault named; after ``max_rollbacks``
       rollbacks in a row (fewer than ``rollback_window`` good steps between them):
@@ -112,6 +137,10 @@ class ResponsePolicy:
     disk_every: int = 1
     on_snapshot_error: SnapshotErrorPolicy = "retry"
     transient_warn_after: int = 3
+    bad_data_warn_after: int = 3
+    bad_data_stop_after: int = 10
+    bad_data_window: int = 50
+    bad_data_stop_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         ints = (
@@ -124,6 +153,9 @@ class ResponsePolicy:
             "snapshot_keep",
             "disk_every",
             "transient_warn_after",
+            "bad_data_warn_after",
+            "bad_data_stop_after",
+            "bad_data_window",
         )
         for name in ints:
             v = getattr(self, name)
@@ -137,6 +169,11 @@ class ResponsePolicy:
             raise ValueError(
                 f"ResponsePolicy.on_snapshot_error={self.on_snapshot_error!r}; use 'retry', "
                 "'disable' or 'raise'"
+            )
+        if not 0 < self.bad_data_stop_fraction <= 1:
+            raise ValueError(
+                f"ResponsePolicy.bad_data_stop_fraction={self.bad_data_stop_fraction!r} "
+                "must be in (0, 1]"
             )
         if not 0 < self.lr_backoff_factor < 1:
             raise ValueError(

@@ -1,0 +1,80 @@
+"""The guard's construction checks: arguments, the configuration every rank must share, the rank."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+import torch
+from torch import nn
+
+from floatguard.guard.types import Precision, Watch
+from floatguard.scaling.loss_scale import DynamicLossScaler
+
+__all__ = ["check_args", "configuration", "rank_of"]
+
+
+def check_args(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: str,
+    watch: str,
+    scaler: DynamicLossScaler | None,
+    stats_every: int | None,
+) -> None:
+    """A clear TypeError / ValueError naming the bad argument and the fix."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Guard needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"Guard needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if precision not in get_args(Precision):
+        raise ValueError(f"precision={precision!r}; use 'fp32', 'bf16' or 'fp16'")
+    if watch not in get_args(Watch):
+        raise ValueError(f"watch={watch!r}; use 'replay' (default), 'hooks' or 'off'")
+    if scaler is not None and not isinstance(scaler, DynamicLossScaler):
+        raise TypeError(
+            f"scaler= needs a floatguard DynamicLossScaler, got {type(scaler).__name__}"
+        )
+    if scaler is not None and scaler.enabled and precision != "fp16":
+        raise ValueError(
+            f"scaler= is an enabled loss scaler, but precision={precision!r} needs none "
+            "(loss scaling is for fp16); pass precision='fp16', or no scaler "
+            "(or DynamicLossScaler(enabled=False))"
+        )
+    if stats_every is not None and (
+        isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 2
+    ):
+        raise ValueError(f"stats_every={stats_every!r} must be an int >= 2 or None")
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not opt_params:
+        raise ValueError("the optimizer has no parameters; build it from model.parameters()")
+    model_params = {id(p) for p in model.parameters()}
+    foreign = [i for i, p in enumerate(opt_params) if id(p) not in model_params]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not the model's "
+            f"(first at index {foreign[0]}); build it from this model's parameters"
+        )
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+            "the guard expects one device"
+        )
+
+
+def configuration(
+    precision: str, watch: str, clip: Any, spikes: Any, response: Any, model: nn.Module
+) -> tuple[Any, ...]:
+    """What every rank's guard must share (for the fingerprint): precision, policies
+    (paths left out: they may differ per rank), the model's global parameter shapes."""
+    resp = {k: v for k, v in vars(response).items() if "dir" not in k}
+    shapes = [tuple(p.shape) for p in model.parameters()]  # DTensor: global shape
+    return (precision, watch, clip, spikes, sorted(resp.items()), shapes)
+
+
+def rank_of(distributed: bool, group: Any) -> int:
+    if not distributed:
+        return 0
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group))

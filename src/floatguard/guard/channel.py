@@ -1,0 +1,218 @@
+"""The channel: how the step's packed read reaches every rank, and how ranks agree on a fault.
+
+Three ways, one interface (:class:`ReadChannel`):
+
+- *local* (no torch.distributed): the read is this process's;
+- *all-reduced*: one SUM all-reduce of :func:`floatguard.distributed.pack`'s layout;
+- *carried*: under DDP, on DDP's own gradient all-reduce (a comm hook on the last
+  bucket, :class:`~floatguard.distributed.DDPReadHook`), no extra collective.
+
+Each way lays out its head of the packed tensor and decodes it (:class:`Head`); the
+reader appends the hook monitor's records after it and reads the whole once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from floatguard.distributed import (
+    SLOTS,
+    DDPReadHook,
+    Peers,
+    config_fingerprint,
+    pack,
+    unpack,
+)
+from floatguard.monitor.localize import Fault
+from floatguard.stability.clip import total_norm
+
+__all__ = ["Agreed", "Head", "ReadChannel"]
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The step's numbers as every rank decides on them."""
+
+    overflow: bool
+    grad_norm: float
+    loss: float
+    bad_ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Head:
+    """The head of the packed read (device float, no sync) and how to decode its host
+    copy: ``size`` values, then ``decode(values) -> Agreed``."""
+
+    tensor: torch.Tensor
+    decode: Callable[[list[float]], Agreed]
+
+    @property
+    def size(self) -> int:
+        return int(self.tensor.numel())
+
+
+def _local_decode(values: list[float]) -> Agreed:
+    # The local layout: [found_inf, total norm, mean loss].
+    return Agreed(overflow=values[0] > 0, grad_norm=values[1], loss=values[2])
+
+
+class ReadChannel:
+    """Local, all-reduced or carried on DDP (see the module); agreement on bad steps.
+
+    ``peers``: the other ranks (None without torch.distributed). ``configuration``:
+    what every rank must share, fingerprinted for the exact check of each step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        peers: Peers | None,
+        process_group: Any,
+        configuration: tuple[Any, ...],
+        norm_type: float = 2.0,
+    ) -> None:
+        self.model = model
+        self.peers = peers
+        self.norm_type = norm_type
+        self.fingerprint = config_fingerprint(configuration)
+        self.ddp_hook = self._register_ddp_hook(process_group)
+
+    @property
+    def rank(self) -> int:
+        return self.peers.rank if self.peers is not None else 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.peers is not None
+
+    def _register_ddp_hook(self, group: Any) -> DDPReadHook | None:
+        """Under DDP, carry the step's read on DDP's own gradient all-reduce (no extra
+        collective per step); a model with a comm hook of its own keeps it, and the
+        read is all-reduced separately."""
+        if self.peers is None or not isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return None
+        hook = DDPReadHook(group, self.peers.world)
+        try:
+            self.model.register_comm_hook(None, hook.as_comm_hook())
+        except RuntimeError:  # "can only be called once": the user's hook stays
+            return None
+        return hook
+
+    # ------------------------------------------------------------ the step
+    def region(self) -> contextlib.AbstractContextManager[None]:
+        """Where this rank may block in collectives the guard does not own."""
+        return self.peers.region() if self.peers is not None else contextlib.nullcontext()
+
+    def arm_for(self, step: int) -> Callable[[torch.Tensor], None] | None:
+        """Under DDP with the guard's comm hook: a callable the runner gives the step's
+        mean loss before the last backward (None otherwise)."""
+        hook, peers = self.ddp_hook, self.peers
+        if hook is None or peers is None:
+            return None
+
+        def arm(loss: torch.Tensor) -> None:
+            hook.arm(loss, ~torch.isfinite(loss), peers.rank, step, self.fingerprint)
+
+        return arm
+
+    def head(
+        self, step: int, found: torch.Tensor, grads: list[torch.Tensor], loss: torch.Tensor,
+        dev: torch.device,
+    ) -> Head:  # fmt: skip
+        """This step's head of the packed read, reduced over the ranks (no sync)."""
+        if self.peers is None:
+            norm = (
+                total_norm(grads, self.norm_type).to(dev).float()
+                if grads
+                else torch.zeros((), device=dev)
+            )
+            return Head(torch.stack([found.float(), norm, loss.float()]), _local_decode)
+        peers = self.peers
+        if self.ddp_hook is not None:
+            # DDP: every rank's gradients are the same average, so norm and overflow need
+            # no reduction; the losses and the step check came with the gradients.
+            hook = self.ddp_hook
+            n = total_norm(grads).to(dev).double() if grads else torch.zeros((), device=dev)
+            carried = hook.take(found, n)
+            if carried is not None:
+
+                def decode_carried(values: list[float]) -> Agreed:
+                    summed = hook.values(values, peers.rank, step, self.fingerprint)
+                    return self._agreed(summed, step)
+
+                return Head(carried, decode_carried)
+        sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]  # FSDP2 shards
+        replicated = [g for g in grads if not hasattr(g, "to_local")]
+        zero = torch.zeros((), device=dev, dtype=torch.float64)
+        sq_sh = total_norm(sharded).to(dev).double() ** 2 if sharded else zero
+        n_rep = total_norm(replicated).to(dev).double() if replicated else zero
+        local_bad = ~torch.isfinite(loss) | ~torch.isfinite(n_rep) | ~torch.isfinite(sq_sh)
+        packed = pack(found, sq_sh, n_rep**2, loss, local_bad, peers.rank, step, self.fingerprint)
+        reduced = peers.all_reduce_sum(packed, "step read")
+        assert reduced.numel() == SLOTS.size
+        return Head(reduced, lambda values: self._agreed(values, step))
+
+    def _agreed(self, summed: list[float], step: int) -> Agreed:
+        assert self.peers is not None
+        agreed = unpack(summed, self.peers.world, self.peers.rank, step, self.fingerprint)
+        return Agreed(agreed.found, agreed.grad_norm, agreed.loss, agreed.bad_ranks)
+
+    # ------------------------------------------------------- a bad step
+    def agree(self, local: Fault | None, bad_ranks: tuple[int, ...], what: str) -> Fault | None:
+        """Under torch.distributed, the fault every rank takes: the ranks all-gather their
+        own finding (bad steps only) and take the first reproduced one (lowest rank),
+        else the first finding, named with its rank; without distributed, ``local``."""
+        if self.peers is None:
+            return local
+        mine = None if local is None else dataclasses.replace(local, rank=self.peers.rank)
+        records = self.peers.all_gather_json(
+            {"fault": None if mine is None else mine.to_record()}, f"agreement on the {what}"
+        )
+        found = [Fault.from_record(r["fault"]) for r in records if r.get("fault")]
+        # reproduced first, then localized (an op named) first, then the lowest rank
+        found.sort(key=lambda f: (f.deterministic is not True, f.op is None, f.rank or 0))
+        if not found:
+            return None
+        best = found[0]
+        if mine is not None and best == mine:
+            best = mine  # this rank's own finding, with its value statistics (not sent)
+        if best.deterministic is not True and bad_ranks:
+            best = dataclasses.replace(best, rank=bad_ranks[0])  # where the read saw it
+        return best
+
+    @contextlib.contextmanager
+    def no_gradient_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()`` around a replay: each rank's gradients stay its own, so
+        only the faulting rank reproduces the fault. FSDP2 replays with its collectives
+        (every rank replays a bad step, so they match): without gradient sync it keeps
+        the replay's unsharded gradients and adds them to the next step's. The replay
+        does not take a value a collective delivers for a birth, so there too only the
+        faulting rank names one."""
+        sync = getattr(self.model, "no_sync", None)
+        if callable(sync):
+            with sync():
+                yield
+        else:
+            yield
+
+    # ------------------------------------------------------- failures
+    def raise_if_failed(self) -> None:
+        if self.peers is not None:
+            self.peers.raise_if_failed()
+
+    def announce_failure(self, step: int, error: BaseException) -> None:
+        """This rank alone raised out of its guard: tell the others, who wait on it."""
+        if self.peers is not None:
+            self.peers.announce_failure(step, error)
+
+    def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()

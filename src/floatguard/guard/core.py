@@ -1,0 +1,466 @@
+"""The guard's façade: wires the collaborators and runs a step as run -> read -> decide -> act.
+
+Words used here (the collaborators, one concern each; see ``docs/design.md``):
+
+- *runner* (:mod:`.run`): the closures under autocast, the (scaled) backward, the losses;
+- *reader* (:mod:`.read`): unscale, norm, loss and monitor records packed; the one read;
+- *channel* (:mod:`.channel`): local, all-reduced or carried on DDP; fault agreement;
+- *locator* (:mod:`.locate`): on a bad step, parameters and optimizer state, then replay;
+- *judge* (:mod:`.judge`): the step's evidence, then the *policy* (:mod:`.policy`):
+  (evidence, state) -> decision, pure Python; the *actor* (:mod:`.act`) carries it out;
+- *keeper* (:mod:`.keeper`): snapshots in memory and on disk, resume;
+- *emitters* (:mod:`.emit`): the step's events; *clipper* and *spike watch* in ``stability/``.
+
+Reading order: :meth:`Guard.step`, then ``_step`` (one screen), then the methods it names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from floatguard.causes import CAUSES, Cause
+from floatguard.distributed import GuardDesync, PeerFailed, Peers
+from floatguard.events import EventLog
+from floatguard.guard import policy
+from floatguard.guard._setup import check_args, configuration, rank_of
+from floatguard.guard.act import Actor
+from floatguard.guard.channel import ReadChannel
+from floatguard.guard.emit import GuardEvents
+from floatguard.guard.judge import Judge, Verdict
+from floatguard.guard.keeper import SnapshotKeeper
+from floatguard.guard.locate import Locator
+from floatguard.guard.persist import guard_state_dict, load_guard_state_dict, stateful_objects
+from floatguard.guard.read import StepRead, StepReader
+from floatguard.guard.run import StepRunner, as_closures
+from floatguard.guard.types import Closure, Precision, StepResult, Watch
+from floatguard.monitor.hooks import Monitor
+from floatguard.scaling.loss_scale import DynamicLossScaler
+from floatguard.stability.clip import Clipper
+from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
+from floatguard.stability.snapshot import Snapshot
+from floatguard.stability.spike_watch import SpikeDetector, SpikeWatch
+from floatguard.stability.step_state import StepState, set_rng_state
+
+__all__ = ["Guard"]
+
+
+class Guard:
+    """Keep a training loop numerically healthy (``docs/guard.md`` has the whole story).
+
+    Args:
+        model: the module being trained (its parameters must be the optimizer's).
+        optimizer: any ``torch.optim.Optimizer``.
+        precision: "fp32", "bf16" (autocast to bfloat16) or "fp16" (autocast to
+            float16 with dynamic loss scaling).
+        scheduler: an LR scheduler to step with applied steps only.
+        clip, spikes, response: frozen policies (defaults: ZClip with its published
+            settings; robust loss-spike detection; responses by cause, see
+            ``docs/guard.md``, "The judgement").
+        scaler: a :class:`DynamicLossScaler` for fp16 (default: a new one). It is used
+            as given, never changed by the guard's construction; an enabled scaler with
+            another precision is refused.
+        watch: how a bad step is localized: ``"replay"`` (default; a bad step given as
+            a closure is replayed and the birth named), ``"hooks"`` (also keep the hook
+            :class:`Monitor` attached, for the three-call loop without a closure) or
+            ``"off"`` (check the parameters and optimizer state only).
+        stats_every: every that many steps, per-layer statistics as a ``stats`` event
+            (a sampling :class:`Monitor`, hooks on those steps only). Default: off.
+        log: a JSONL path for the event stream (events are kept in memory too).
+        distributed: decide every step together over ``process_group`` (default: when
+            torch.distributed is initialized); see :mod:`floatguard.distributed`.
+        peer_timeout_s, peer_grace_s: under torch.distributed, how long the guard's
+            own collectives wait for a silent peer, and how long a rank blocked in a
+            collective the guard does not own may stay blocked after a peer failed.
+
+    Two ways to drive it. ``step(closure)``: the closure runs the forward and returns
+    the loss (it must capture its batch, so a replay sees the same data); a sequence
+    of closures accumulates gradients. Or the three-call loop (``with
+    guard.autocast(): loss = ...``, ``guard.backward(loss)``, ``guard.step()``). The
+    guard zeroes the gradients at the end of every step; a step is applied whole or
+    not at all (a skipped step changes no weight, optimizer state, scheduler, scaler
+    growth or buffer).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        precision: Precision = "fp32",
+        scheduler: Any = None,
+        clip: ClipPolicy | None = None,
+        spikes: SpikePolicy | None = None,
+        response: ResponsePolicy | None = None,
+        scaler: DynamicLossScaler | None = None,
+        watch: Watch = "replay",
+        stats_every: int | None = None,
+        log: str | os.PathLike[str] | None = None,
+        distributed: bool | None = None,
+        process_group: Any = None,
+        peer_timeout_s: float | None = 600.0,
+        peer_grace_s: float | None = 10.0,
+    ) -> None:
+        check_args(model, optimizer, precision, watch, scaler, stats_every)
+        if distributed is None:
+            import torch.distributed as dist
+
+            distributed = dist.is_available() and dist.is_initialized()
+        # configuration
+        self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
+        self._precision: Precision = precision
+        self._watch: Watch = watch
+        self._distributed, self._process_group = bool(distributed), process_group
+        self._device: torch.device = next(iter({p.device for p in model.parameters()}))
+        self._clip, self._spikes = clip or ClipPolicy(), spikes or SpikePolicy()
+        self._response = response or ResponsePolicy()
+        if self._distributed and self._clip.norm_type != 2:
+            raise ValueError(
+                f"ClipPolicy.norm_type={self._clip.norm_type!r}: under torch.distributed "
+                "the guard adds the ranks' squared norms; use norm_type=2"
+            )
+        self._scaler = (
+            scaler if scaler is not None else DynamicLossScaler(enabled=precision == "fp16")
+        )
+        # collaborators
+        self._events = EventLog(log, rank=rank_of(self._distributed, process_group))
+        self._emit = GuardEvents(self._events)
+        self._clipper = Clipper(self._clip)
+        self._spike_watch = SpikeWatch(self._spikes)
+        # The guard starts the monitors' steps itself, so records of every micro-batch
+        # of an accumulated step are there when the step is decided.
+        self._monitor = Monitor(model, auto_step=False).attach() if watch == "hooks" else None
+        self._stats_monitor = (
+            Monitor(model, mode="stats", every=stats_every, auto_step=False).attach()
+            if stats_every is not None
+            else None
+        )
+        peers = (
+            Peers(process_group, timeout_s=peer_timeout_s, grace_s=peer_grace_s,
+                  device=self._device)
+            if self._distributed
+            else None
+        )  # fmt: skip
+        self._channel = ReadChannel(
+            model, peers, process_group,
+            configuration(precision, watch, self._clip, self._spikes, self._response, model),
+            norm_type=self._clip.norm_type,
+        )  # fmt: skip
+        on_loss = self._monitor.check_loss if self._monitor is not None else None
+        self._runner = StepRunner(precision, self._device, self._scaler, self._channel.region,
+                                  on_loss)  # fmt: skip
+        self._reader = StepReader(optimizer, self._scaler, self._channel, self._monitor,
+                                  self._device)  # fmt: skip
+        self._state = StepState(model)
+        self._state.save()
+        self._locator = Locator(model, optimizer, precision, self._state, self._runner,
+                                self._reader, self._channel, self._device)  # fmt: skip
+        self._keeper = SnapshotKeeper(self._response, self._emit)
+        self._actor = Actor(optimizer, scheduler, self._scaler, self._state, self._reader,
+                            self._clipper, self._spike_watch, self._keeper, self._emit,
+                            self._response, self._stateful)  # fmt: skip
+        self._judge = Judge(
+            self._response,
+            watch,
+            self._scaler,
+            self._clipper,
+            self._spike_watch,
+            self._locator,
+            self._channel,
+            self._keeper,
+        )
+        # the guard's own state
+        self._ladder = policy.LadderState()
+        self.step_count = 0
+        self._previous_applied = False  # the last step's update was applied
+        self._snapshot_now(0)
+
+    # ------------------------------------------------------ read-only views
+    model = property(lambda self: self._model)
+    optimizer = property(lambda self: self._optimizer)
+    scheduler = property(lambda self: self._scheduler)
+    precision = property(lambda self: self._precision)
+    watch = property(lambda self: self._watch)
+    distributed = property(lambda self: self._distributed)
+    process_group = property(lambda self: self._process_group)
+    device = property(lambda self: self._device)
+    clip = property(lambda self: self._clip)
+    spikes = property(lambda self: self._spikes)
+    response = property(lambda self: self._response)
+    scaler = property(lambda self: self._scaler)
+    events = property(lambda self: self._events)
+    monitor = property(lambda self: self._monitor)
+    stats_monitor = property(lambda self: self._stats_monitor)
+
+    @property
+    def zclip(self) -> Any:
+        return self._clipper.zclip
+
+    @property
+    def loss_detector(self) -> SpikeDetector | None:
+        return self._spike_watch.loss
+
+    @property
+    def norm_detector(self) -> SpikeDetector | None:
+        return self._spike_watch.grad_norm
+
+    @property
+    def ladder(self) -> policy.LadderState:
+        """The response policy's counters (read-only; see :mod:`floatguard.guard.policy`)."""
+        return self._ladder
+
+    good_steps = property(lambda self: self._ladder.good_steps)
+    consecutive_bad = property(lambda self: self._ladder.consecutive_bad)
+    rollbacks = property(lambda self: self._ladder.rollbacks)
+    transients = property(lambda self: self._ladder.transients)
+    skip_remaining = property(lambda self: self._ladder.skip_remaining)
+    lr_factor = property(lambda self: self._ladder.lr_factor)
+
+    @property
+    def last_snapshot(self) -> Snapshot | None:
+        """The snapshot a rollback would restore (in memory)."""
+        return self._keeper.snapshot
+
+    # ------------------------------------------------------------ loop API
+    def autocast(self) -> Any:
+        """``torch.autocast`` to the guard's precision (nothing for fp32)."""
+        return self._runner.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the (scaled, for fp16) loss; the loss is kept for the step's
+        decision. May be called several times before :meth:`step` (gradient
+        accumulation): the step is decided on the mean loss."""
+        self._runner.backward(loss)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Record a micro-batch's loss for this step's decision without running its
+        backward (for loops that run the backward themselves: the integrations)."""
+        self._runner.record(loss)
+
+    def has_recorded_losses(self) -> bool:
+        """Whether a loss was recorded (:meth:`backward`, :meth:`record_loss`) for this step."""
+        return bool(self._runner.losses)
+
+    def recorded_losses_finite(self) -> torch.Tensor:
+        """Whether the losses recorded for this step are all finite: a device bool, no sync."""
+        return self._runner.losses_finite()
+
+    def step(
+        self,
+        closure: Closure | Sequence[Closure] | None = None,
+        *,
+        replay: Sequence[Closure] | None = None,
+    ) -> StepResult:
+        """Decide on this step (one host read), apply it or not, and zero the gradients.
+
+        ``closure``: a function running the forward and returning the loss (or a
+        sequence of them for gradient accumulation); without it, the losses given to
+        :meth:`backward` (or :meth:`record_loss`) since the last step are decided on.
+        ``replay``: for that second form, closures that re-run the step's forward (its
+        micro-batches) if the step turns out bad, so it can be localized all the same.
+        """
+        try:
+            return self._step(closure, replay)
+        except (PeerFailed, GuardDesync) as e:
+            reason = "peer_failed" if isinstance(e, PeerFailed) else "desync"
+            self._emit.stop(self.step_count, reason, str(e))
+            raise
+        except GuardStopped:
+            raise  # decided together: every rank raises it
+        except BaseException as e:
+            self._channel.announce_failure(self.step_count, e)
+            raise
+
+    def _step(self, closure: Closure | Sequence[Closure] | None,
+              replay: Sequence[Closure] | None) -> StepResult:  # fmt: skip
+        closures = as_closures(closure)
+        self._channel.raise_if_failed()
+        step = self.step_count
+        if closures:
+            self._state.rng = self._state.rng_now()  # the draws this step's forward makes
+            try:
+                self._runner.run(closures, before_last_backward=self._channel.arm_for(step))
+            except BaseException:
+                self._discard()  # the closure failed: the step did not happen
+                raise
+        elif not self._runner.losses:
+            raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
+        else:
+            closures = as_closures(replay) if replay else []
+        self.step_count, self._actor.applying = step + 1, False
+        try:
+            # A snapshot step reads the state's magnitudes with the step, to vet them.
+            due = self._keeper.due(self._ladder.good_steps)
+            state_tensors, magnitudes = self._locator.magnitudes() if due else ([], None)
+            read = self._reader.read(step, self._runner.mean_loss(), magnitudes)  # one read
+            verdict = self._judge.judge(
+                step, read, closures, (state_tensors, list(read.extra)), self._ladder,
+                self._previous_applied,
+            )  # fmt: skip
+            return self._act(step, read, verdict)
+        except BaseException:
+            if not self._actor.applying:  # the step did not happen: as if it had not begun
+                self.step_count = step
+                self._discard()
+            raise
+
+    # ----------------------------------------------------------------- act
+    def _act(self, step: int, read: StepRead, verdict: Verdict) -> StepResult:
+        scale = self._scaler.get_scale()
+        try:
+            action, self._ladder = self._actor.act(step, read, verdict, self._snapshot_now)
+        except GuardStopped:
+            self._ladder = verdict.decision.state
+            raise
+        self._previous_applied = action == "applied"
+        self._end_step()
+        result = StepResult(
+            step,
+            action,
+            verdict.decision.cause,
+            read.loss,
+            read.grad_norm,
+            scale,
+            verdict.clip[0],
+            self._ladder.lr_factor,
+            verdict.fault,
+        )
+        self._emit.step(result)
+        return result
+
+    def _discard(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+        self._runner.clear()
+        self._state.restore_buffers()
+        if self._scaler.enabled:
+            self._scaler.skip_step()
+        for mon in (self._monitor, self._stats_monitor):
+            if mon is not None:
+                mon.reset()
+
+    def _end_step(self) -> None:
+        if self._stats_monitor is not None:
+            summary = self._stats_monitor.stats_summary()  # empty on unsampled steps
+            if summary:
+                self._emit.stats(self.step_count - 1, summary)
+            self._stats_monitor.next_step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._runner.clear()
+        if self._monitor is not None:
+            self._monitor.next_step()
+        self._state.save()
+
+    # -------------------------------------------------------- persistence
+    def _stateful(self) -> dict[str, Any]:
+        return stateful_objects(
+            self._model, self._optimizer, self._scaler, self._scheduler,
+            self.zclip, self.loss_detector, self.norm_detector,
+        )  # fmt: skip
+
+    def _snapshot_now(
+        self, step: int, amax: dict[str, float] | None = None,
+        state: policy.LadderState | None = None,
+    ) -> policy.LadderState:  # fmt: skip
+        """Snapshot the state before step ``step`` is applied (vetted: at construction
+        here, on a snapshot step by :meth:`_decide`)."""
+        if amax is None:
+            vetting = self._judge.vet(step, self._previous_applied)
+            if vetting.bad is not None:
+                self._emit.warning(step, f"no snapshot taken: {vetting.bad}", 0)
+                return state or self._ladder
+            amax = vetting.amax
+        ladder = policy.snapshot_taken(state or self._ladder)
+        meta = {**ladder.to_meta(), "step_rng": dict(self._state.rng)}
+        self._keeper.take(step, self._stateful(), meta, amax)
+        self._ladder = ladder
+        return ladder
+
+    def resume(self, path: str | os.PathLike[str] | None = None) -> int:
+        """Continue a run from its newest good snapshot on disk; returns the step to run next.
+
+        ``path``: a snapshot file, or a folder of them (default: the policy's
+        ``snapshot_dir``). In a folder, a newest snapshot that fails to verify is
+        skipped for the one before it (a ``snapshot_fallback`` event each). Model,
+        optimizer, scaler, scheduler, clipper, detectors, the guard's counters and the
+        torch RNG (as at the start of that step) are restored; a ``resume`` event marks
+        where the event stream picks up. Feed the data from the returned step on.
+        """
+        snap, used = self._keeper.load(path, self._device, set(self._stateful()))
+        snap.restore(self._stateful())
+        self._load_counters(snap.meta)
+        self.step_count = snap.step
+        self._keeper.adopt(snap)
+        self._previous_applied = False
+        self._state.save()
+        self._emit.resume(snap.step, str(used))
+        return snap.step
+
+    def _load_counters(self, meta: dict[str, Any]) -> None:
+        self._ladder = policy.LadderState.from_meta(meta)
+        self._keeper.taken = int(meta.get("snapshots", 0))
+        if meta.get("step_rng"):
+            set_rng_state(meta["step_rng"])
+
+    def skip_external(
+        self, reason: Cause = "overflow", *, scale_before: float | None = None,
+        scale_after: float | None = None,
+    ) -> StepResult:  # fmt: skip
+        """Record a step the training framework skipped on its own (an fp16 GradScaler
+        that found an inf and did not call the optimizer): the losses recorded for it
+        are dropped, the buffers restored, the step counted, and an ``overflow`` event
+        (when the scales are given) and a ``step`` event written. One host read."""
+        if reason not in CAUSES:
+            raise ValueError(f"skip_external(reason={reason!r}); use one of {CAUSES}")
+        step = self.step_count
+        self.step_count += 1
+        loss = float(self._runner.mean_loss()) if self._runner.losses else math.nan
+        self._discard()
+        self._state.save()
+        self._previous_applied = False
+        if scale_before is not None and scale_after is not None:
+            self._emit.overflow(step, scale_before, scale_after)
+        scale = scale_after if scale_after is not None else self._scaler.get_scale()
+        result = StepResult(step, "skipped", reason, loss, math.nan, scale, 1.0,
+                            self._ladder.lr_factor)  # fmt: skip
+        self._emit.step(result)
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state, for a framework's checkpoint (Lightning keeps a
+        callback's): step counter, counters, loss scaler, clipper and spike detectors.
+        Not the model, optimizer or scheduler (the framework saves those)."""
+        counters = {**self._ladder.to_meta(), "snapshots": self._keeper.taken}
+        return guard_state_dict(self.step_count, counters, self._own_parts())
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a guard configured the same way)."""
+        step_count, counters = load_guard_state_dict(sd, self._own_parts())
+        self.step_count = step_count
+        self._load_counters(counters)
+
+    def _own_parts(self) -> dict[str, Any]:
+        return {
+            "scaler": self._scaler,
+            "zclip": self.zclip,
+            "loss_detector": self.loss_detector,
+            "norm_detector": self.norm_detector,
+        }
+
+    def close(self) -> None:
+        """Detach the monitors (watch="hooks", stats_every) and close the event log."""
+        for mon in (self._monitor, self._stats_monitor):
+            if mon is not None:
+                mon.detach()
+        self._channel.close()
+        self._events.close()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,113 @@
+"""The guard's typed emitters: every event a step writes, in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from floatguard.events import EventLog
+from floatguard.guard.types import StepResult
+from floatguard.monitor.localize import Fault
+from floatguard.stats import TensorStats
+
+__all__ = ["GuardEvents", "stats_fields"]
+
+_STATS = ("numel", "nan", "posinf", "neginf", "zeros", "amax", "min", "max")
+
+
+def stats_fields(stats: TensorStats | None) -> dict[str, Any] | None:
+    """A birth's statistics for the event stream: counts and finite extremes (one read;
+    bad steps only)."""
+    if stats is None:
+        return None
+    parts = [getattr(stats, name).double() for name in _STATS]
+    values = torch.stack(parts).cpu().tolist()
+    return {
+        n: (int(v) if i < 5 else v) for i, (n, v) in enumerate(zip(_STATS, values, strict=True))
+    }
+
+
+class GuardEvents:
+    """Writes the guard's events to ``log`` (the :class:`EventLog` stays public as
+    ``guard.events``); one method per kind, keyword fields only."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+
+    def step(self, result: StepResult) -> None:
+        self.log.emit(
+            "step",
+            result.step,
+            action=result.action,
+            reason=result.reason,
+            loss=result.loss,
+            grad_norm=result.grad_norm,
+            clip_coef=result.clip_coef,
+            scale=result.scale,
+            lr_factor=result.lr_factor,
+        )
+
+    def fault(self, step: int, fault: Fault, cause: str | None) -> None:
+        self.log.emit(
+            "fault",
+            step,
+            phase=fault.phase,
+            module=fault.module,
+            tensor=fault.tensor,
+            kind_of_value=fault.kind,
+            shape=list(fault.shape),
+            op=fault.op,
+            source=fault.source,
+            deterministic=fault.deterministic,
+            stats=stats_fields(fault.stats),
+            fault_rank=fault.rank,
+            cause=cause,
+        )
+
+    def overflow(self, step: int, scale_before: float, scale_after: float) -> None:
+        self.log.emit("overflow", step, scale_before=scale_before, scale_after=scale_after)
+
+    def spike(self, step: int, signal: str, value: float, reproduced: bool | None) -> None:
+        self.log.emit("spike", step, signal=signal, value=value, reproduced=reproduced)
+
+    def lr_backoff(self, step: int, factor: float) -> None:
+        self.log.emit("lr_backoff", step, factor=factor)
+
+    def rollback(
+        self, step: int, to_step: int, rollbacks: int, skip_batches: int, fault: Fault | None
+    ) -> None:
+        cause = None if fault is None else f"{fault.phase}:{fault.module}:{fault.tensor}"
+        self.log.emit(
+            "rollback",
+            step,
+            to_step=to_step,
+            rollbacks=rollbacks,
+            skip_batches=skip_batches,
+            cause=cause,
+        )
+
+    def snapshot(self, step: int, where: str) -> None:
+        self.log.emit("snapshot", step, where=where)
+
+    def snapshot_error(self, step: int, where: str, error: str, policy: str) -> None:
+        self.log.emit("snapshot_error", step, where=where, error=error, policy=policy)
+
+    def snapshot_fallback(self, step: int, bad: str, error: str, used: str) -> None:
+        self.log.emit("snapshot_fallback", step, bad=bad, error=error, used=used)
+
+    def resume(self, step: int, path: str) -> None:
+        self.log.emit("resume", step, from_step=step, path=path)
+
+    def warning(self, step: int, message: str, transients: int) -> None:
+        self.log.emit("warning", step, transients=transients, message=message)
+
+    def stats(self, step: int, tensors: list[dict[str, Any]]) -> None:
+        self.log.emit("stats", step, tensors=tensors)
+
+    def stop(self, step: int, reason: str, fault: str | None) -> None:
+        self.log.emit("stop", step, reason=reason, fault=fault)
+
+    def count(self) -> int:
+        """How many events were written (all kinds, not only the in-memory tail)."""
+        return sum(self.log.counts.values())

@@ -1,0 +1,271 @@
+"""The locator: on a bad step only, the parameter and optimizer-state check, then the replay.
+
+Words used here:
+
+- *state tensors*: every parameter and every floating optimizer-state tensor (AdamW's
+  ``exp_avg``, ``exp_avg_sq``; not its ``step`` counter), named ``param:<name>`` and
+  ``optimizer:<name>.<key>`` after the parameter's owner module.
+- *vetting*: one stacked read of every state tensor's largest magnitude (NaN when it
+  holds a NaN). A snapshot is taken only of vetted state, and the magnitudes are kept
+  for the *magnitude rule*: a parameter whose largest magnitude grew more than
+  ``JUMP`` times since the last snapshot, and past ``FLOOR``, or past ``IMPLAUSIBLE``
+  at all, is as bad as a NaN (a flipped exponent bit leaves a weight finite, ~1e37 in
+  bfloat16 or float32). Clean training never grows a weight 65536-fold within
+  ``snapshot_every`` steps; the rule is checked on bad steps only.
+- *replay*: the step re-run from its starting state (RNG, buffers) under the op-level
+  replay (:func:`floatguard.monitor.replay.run_localized`), to name the birth and to
+  learn whether it reproduces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from floatguard._values import local_part, values_of
+from floatguard.guard.channel import ReadChannel
+from floatguard.guard.read import StepRead, StepReader
+from floatguard.guard.run import StepRunner
+from floatguard.guard.types import Closure, Precision
+from floatguard.monitor.localize import Fault
+from floatguard.monitor.replay import ReplayResult, run_localized
+from floatguard.stability.clip import total_norm
+from floatguard.stability.step_state import StepState, set_rng_state
+
+__all__ = ["FLOOR", "IMPLAUSIBLE", "JUMP", "Locator", "StateTensor", "Vetting"]
+
+JUMP = 2.0**16  # 65536: growth since the last snapshot that no clean step makes
+FLOOR = 2.0**10  # 1024: and at least this large (a zero-initialized bias may grow from 0)
+IMPLAUSIBLE = 2.0**64  # ~1.8e19: no trained weight is this large
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    owner: str  # the owner module's qualified name
+    role: str  # "param:<name>" or "optimizer:<name>.<key>"
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Vetting:
+    """The largest magnitude of every state tensor (host floats, NaN for a NaN), in
+    :meth:`Locator.state_tensors` order, and the first bad one (None: all clean)."""
+
+    amax: dict[str, float]
+    bad: Fault | None
+
+
+def named_root(model: nn.Module) -> nn.Module:
+    """The module whose names faults use: a compiled model (torch.compile's wrapper)
+    and a DistributedDataParallel model are named by the module they wrap."""
+    root = model
+    if isinstance(root, nn.parallel.DistributedDataParallel):
+        root = root.module
+    inner = getattr(root, "_orig_mod", root)
+    return inner if isinstance(inner, nn.Module) else root
+
+
+class Locator:
+    """Finds where a bad step's non-finite value came from (bad steps only; snapshots
+    are vetted with the same check)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        state: StepState,
+        runner: StepRunner,
+        reader: StepReader,
+        channel: ReadChannel,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.precision = precision
+        self.state = state
+        self.runner = runner
+        self.reader = reader
+        self.channel = channel
+        self.device = device
+
+    # -------------------------------------------------- parameters, state
+    def state_tensors(self) -> list[StateTensor]:
+        out: list[StateTensor] = []
+        for name, p in named_root(self.model).named_parameters():
+            owner, _, pname = name.rpartition(".")
+            for key, v in self.optimizer.state.get(p, {}).items():
+                if (
+                    key != "step"
+                    and isinstance(v, torch.Tensor)
+                    and v.is_floating_point()
+                    and v.numel() > 0
+                ):
+                    out.append(StateTensor(owner, f"optimizer:{pname}.{key}", local_part(v)))
+            out.append(StateTensor(owner, f"param:{pname}", local_part(p)))
+        return out
+
+    def magnitudes(self) -> tuple[list[StateTensor], torch.Tensor | None]:
+        """Every state tensor and its largest magnitude, stacked on device (float64, NaN
+        for a tensor holding a NaN; no sync): for the reader to read with the step."""
+        tensors = self.state_tensors()
+        if not tensors:
+            return tensors, None
+        amaxes = []
+        for t in tensors:
+            v = values_of(t.tensor)
+            amaxes.append(
+                v.abs().amax().double().to(self.device)
+                if v.numel()
+                else torch.zeros((), dtype=torch.float64, device=self.device)
+            )
+        return tensors, torch.stack(amaxes)
+
+    def vet(
+        self,
+        step: int,
+        *,
+        previous_amax: dict[str, float] | None = None,
+        after_update: bool = False,
+        read: tuple[list[StateTensor], list[float]] | None = None,
+    ) -> Vetting:
+        """Every state tensor's largest magnitude (read once here, or given: ``read``,
+        the tensors and the values the step's read carried); the first bad one as a
+        :class:`Fault` (phase "param"): a non-finite optimizer state first (it went bad
+        before the parameter it updates), then a non-finite parameter (under fp16
+        autocast, one past fp16's range: it becomes inf when cast), then one that
+        breaks the magnitude rule against ``previous_amax``. ``after_update``: the step
+        before was applied, so a parameter non-finite now may have been made by that
+        update (then the fault's op is "optimizer.step", see :meth:`_update_made`)."""
+        if read is None:
+            tensors, stacked = self.magnitudes()
+            values = stacked.tolist() if stacked is not None else []  # bad steps only
+        else:
+            tensors, values = read
+        amax = {f"{t.owner}.{t.role}": v for t, v in zip(tensors, values, strict=True)}
+        limit = FP16_MAX if self.precision == "fp16" else math.inf
+        ranked: list[tuple[int, StateTensor, float, str | None]] = []
+        for t, v in zip(tensors, values, strict=True):
+            is_param = t.role.startswith("param:")
+            if not math.isfinite(v) or (is_param and v > limit):
+                ranked.append((0 if not is_param else 1, t, v, None))
+            elif is_param:
+                why = self._implausible(v, (previous_amax or {}).get(f"{t.owner}.{t.role}"))
+                if why is not None:
+                    ranked.append((2, t, v, why))
+        if not ranked:
+            return Vetting(amax, None)
+        rank, t, v, why = min(ranked, key=lambda r: r[0])
+        kind: Literal["nan", "inf"] = "nan" if math.isnan(v) else "inf"
+        if why is not None:
+            op, source = "magnitude", why
+        elif rank == 1 and after_update and self._update_made(t.tensor):
+            op, source = "optimizer.step", None
+        else:
+            op, source = "parameter", None
+        fault = Fault(
+            step=step,
+            phase="param",
+            module=t.owner,
+            tensor=t.role,
+            kind=kind,
+            shape=tuple(t.tensor.shape),
+            op=op,
+            source=source,
+            deterministic=True,
+        )
+        return Vetting(amax, fault)
+
+    @staticmethod
+    def _update_made(param: torch.Tensor) -> bool:
+        """Whether a parameter found non-finite right after an applied update was made
+        so by the update rather than by a flipped bit: a 16-bit parameter (AdamW's eps
+        underflows in fp16; its update rounds in the parameter's dtype), or more than
+        one non-finite element (a flipped bit makes one). One read, bad steps only."""
+        if param.dtype in (torch.float16, torch.bfloat16):
+            return True
+        return int((~values_of(param).isfinite()).sum()) > 1
+
+    @staticmethod
+    def _implausible(amax: float, before: float | None) -> str | None:
+        if amax > IMPLAUSIBLE:
+            return f"largest magnitude {amax:.3g}: beyond any trained weight"
+        if before is not None and amax > FLOOR and amax > JUMP * before:
+            return f"largest magnitude {amax:.3g}, {before:.3g} at the last snapshot"
+        return None
+
+    # ---------------------------------------------------------- replay
+    def replay(self, step: int, closures: Sequence[Closure], read: StepRead) -> Fault:
+        """Re-run the step from its starting state under the op-level replay; the birth
+        when it reproduces, else what the read saw (``deterministic`` False when the
+        replayed step was clean)."""
+        found, reproduced = self._rerun(closures)
+        if found is not None and reproduced:
+            return found.to_fault(step, deterministic=True)
+        # Not localized (or not reproduced): what the read saw, where it saw it.
+        loss_ok = read.finite_loss
+        seen = read.grad_norm if loss_ok else read.loss
+        return Fault(
+            step=step,
+            phase="backward" if loss_ok else "loss",
+            module="",
+            tensor="grad" if loss_ok else "loss",
+            kind="nan" if math.isnan(seen) else "inf",
+            deterministic=reproduced,
+        )
+
+    def replay_values(self, closures: Sequence[Closure]) -> tuple[float, float]:
+        """Re-run the step from its starting state (no op-level replay) and read its
+        loss and gradient norm once: does a spike reproduce? (Spike steps only.)"""
+        with self._from_step_start():
+            self.runner.run(closures)
+            _, grads, dev = self.reader.params_with_grads()
+            norm = (
+                total_norm(grads, self.channel.norm_type).to(dev).double()
+                if grads
+                else torch.zeros((), dtype=torch.float64, device=dev)
+            )
+            loss = self.runner.mean_loss(dev).double()
+            values = torch.stack([loss, norm]).tolist()
+        return float(values[0]), float(values[1])
+
+    def _rerun(self, closures: Sequence[Closure]) -> tuple[ReplayResult | None, bool]:
+        with self._from_step_start():
+            found = run_localized(lambda: self.runner.run(closures), model=named_root(self.model))
+            reproduced = self._step_is_bad()
+        return found, reproduced
+
+    @contextlib.contextmanager
+    def _from_step_start(self) -> Iterator[None]:
+        """Run from the step's starting state (gradients, losses, buffers, RNG) without
+        DDP's gradient sync, and leave no trace of the run (the RNG as after the step)."""
+        after = self.state.rng_now()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.runner.clear()
+        self.state.restore_buffers()
+        self.state.restore_rng()
+        try:
+            with self.channel.no_gradient_sync():
+                yield
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.runner.clear()
+            set_rng_state(after)
+
+    def _step_is_bad(self) -> bool:
+        """Whether the replayed step was bad again (loss or a gradient non-finite)."""
+        _, grads, dev = self.reader.params_with_grads()
+        flags = [self.runner.losses_finite().to(dev)] if self.runner.losses else []
+        flags += [
+            local_part(g.detach()).isfinite().all().to(dev)
+            for g in grads
+            if g.layout == torch.strided
+        ]
+        return not all(torch.stack(flags).tolist()) if flags else False

@@ -1,0 +1,42 @@
+"""The words every part of the guard shares: precision, watch, actions, closures, results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from floatguard.causes import Cause
+from floatguard.monitor.localize import Fault
+
+__all__ = ["Action", "Closure", "Precision", "StepResult", "Watch"]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Action = Literal["applied", "skipped", "rolled_back"]
+Watch = Literal["replay", "hooks", "off"]
+Closure = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the guard did with one step, and the numbers it decided on.
+
+    ``reason`` (None when applied) is a :data:`~floatguard.causes.Cause`:
+    "nonfinite_input", "nonfinite_param", "nonfinite_optimizer_state",
+    "optimizer_update", "overflow" (fp16 gradient overflow), "nonfinite_loss",
+    "nonfinite_grad", "transient" (a replay of the step was clean), "loss_spike",
+    "grad_norm_spike", "after_rollback" (a batch the policy skips after a rollback).
+    ``fault``: where the non-finite value was born, when it was localized.
+    """
+
+    step: int
+    action: Action
+    reason: Cause | None
+    loss: float
+    grad_norm: float
+    scale: float
+    clip_coef: float = 1.0
+    lr_factor: float = 1.0
+    fault: Fault | None = field(default=None, repr=False)
