@@ -5,13 +5,28 @@ Words used here:
 
 - *candidate*: an op whose floating inputs were free of NaN and +inf and whose output
   holds a NaN, or whose inputs were all finite and whose output holds an inf. Inputs
-  are judged before the op runs (an in-place op overwrites them); ``out=`` buffers are
-  not inputs; a sparse tensor is judged by the dense tensor it stands for.
+  are judged before the op runs (an in-place op overwrites them); ``out=`` buffers and
+  the self of ``fill_`` / ``zero_`` (which read none of it) are not inputs; a sparse
+  tensor is judged by the dense tensor it stands for.
 - *intended infinity*: ``-inf`` that is data, not a fault: a mask filled with
   ``-inf`` (fill-type ops given an infinite scalar are never candidates), log-space
   padding, ``-inf`` in the model's inputs. An op whose only non-finite outputs are
   ``-inf`` is a candidate of the last resort (``log(0)`` masked by a ``where`` is
   intended; ``log(0)`` that reaches the loss is not).
+- *data* (phase "input"): tensors the step was given from outside the model, which
+  exist before its forward starts: what the closure captured, what the data loader
+  produced, what the step's code builds outside the model's modules (a batch made
+  with ``torch.tensor`` before the model runs, a target in the loss code). Their
+  NaN and +inf are the step's data, not a birth.
+- *module constant*: a tensor a module of the model creates from Python values in
+  its forward, which reaches the dispatcher as ``aten.lift_fresh``: a
+  ``torch.tensor(...)`` constant, the value of ``h[:, 0] = float("nan")``. It is
+  judged like a scalar argument: never data, and an op that uses a NaN constant is
+  a candidate (``h + torch.tensor(nan)`` is born at that ``add``, in that module);
+  a fill-type op given an infinite constant is intended, as with an infinite scalar.
+  A constant written in place by a later op is an ordinary tensor from then on.
+  Limit: a tensor a module makes from NumPy memory (``torch.from_numpy``, which no
+  op of the dispatcher sees) is taken for data.
 - *forward pass*: the ops from the step's start, or from the end of a backward, up to
   the next backward. With gradient accumulation (forward 1, backward 1, forward 2,
   backward 2, ...) each micro-batch is a forward pass of its own, localized as if it
@@ -56,6 +71,7 @@ import math
 import os
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -84,6 +100,12 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _DEMO = os.path.join(_HERE, "demo")
 _TAG = "floatguard_module"
+# In-place ops that write every element of their self without reading it: what it
+# held before (stale or uninitialised memory, a NaN of an earlier run) is no input.
+_OVERWRITES = frozenset({"fill_", "zero_"})
+# Ops that turn Python values into a tensor (torch.tensor, a scalar written by indexing).
+_LIFTS = frozenset({"lift_fresh", "lift_fresh_copy", "lift"})
+_LIFT_OPS = frozenset(getattr(torch.ops.aten, n) for n in _LIFTS)
 # Ops whose output is never a forward pass's loss (backward()'s seed is a ones_like).
 _NOT_A_LOSS = frozenset({
     "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like",
@@ -179,15 +201,19 @@ def _from_anomaly_trace(node: Any) -> str | None:
 
 
 # ----------------------------------------------------------------- values
-def _floats(obj: Any) -> tuple[list[torch.Tensor], list[float]]:
+def _floats(
+    obj: Any, constant: Callable[[torch.Tensor], bool] | None = None
+) -> tuple[list[torch.Tensor], list[float], list[torch.Tensor]]:
+    """The floating tensors in ``obj`` (by their values), its float scalars, and the
+    floating tensors ``constant`` picks out (module constants), apart."""
     leaves, _ = tree_flatten(obj)
-    tensors = [
-        values_of(x)
-        for x in leaves
-        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-    ]
+    tensors: list[torch.Tensor] = []
+    consts: list[torch.Tensor] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+            (consts if constant is not None and constant(x) else tensors).append(values_of(x))
     scalars = [float(x) for x in leaves if isinstance(x, float)]
-    return tensors, scalars
+    return tensors, scalars, consts
 
 
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
@@ -414,13 +440,22 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Per forward pass: NaN/+inf data the step was given, and how many candidates
         # came before it.
         self.outside: dict[int, tuple[int, _Candidate]] = {}
+        # Module constants (see the module), by identity: a dead one's id may be reused.
+        self.constants: dict[int, weakref.ref[torch.Tensor]] = {}
 
-    def _note_outputs(self, out: Any) -> None:
-        """Remember the memory the step's ops wrote (to tell it from data given to it)."""
+    def _is_constant(self, t: torch.Tensor) -> bool:
+        ref = self.constants.get(id(t))
+        return ref is not None and ref() is t
+
+    def _note_outputs(self, out: Any, *, lifted: bool) -> None:
+        """Remember the memory the step's ops wrote (to tell it from data given to it);
+        a constant an op other than its lift wrote in place is a constant no longer."""
         leaves, _ = tree_flatten(out)
         for t in leaves:
             if isinstance(t, torch.Tensor):
                 self.made.add(_storage(t))
+                if not lifted and self.constants and self._is_constant(t):
+                    del self.constants[id(t)]
 
     def _note_loss(self, name: str, in_t: list[torch.Tensor], out_sev: list[int]) -> None:
         """A forward op's floating output computed from a floating tensor: the pass's
@@ -428,16 +463,22 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if in_t and out_sev and name not in _NOT_A_LOSS:
             self.ctx.loss_bad[self.ctx.forward_pass] = any(out_sev)
 
-    def _outside_data(self, func: Any, in_t: list[torch.Tensor], sevs: list[int]) -> None:
+    def _outside_data(
+        self, func: Any, in_t: list[torch.Tensor], sevs: list[int], *, given: bool = False
+    ) -> None:
         """NaN or +inf in a tensor no op of the step made (the batch, a loss weight the
         closure captured): born outside the step, in its data (phase "input"). Memory
         allocated before the replay cannot be reused by it while alive, so a storage
-        the step's ops never wrote was given to it. The first per forward pass."""
+        the step's ops never wrote was given to it. ``given``: the tensors are data
+        whatever their memory (Python values the step's code outside the model turned
+        into a tensor). The first per forward pass."""
         k = self.ctx.forward_pass
         if k in self.outside:
             return
         for t, sev in zip(in_t, sevs, strict=True):
-            if sev == 2 and _storage(t) not in self.made and _storage(t) not in self.ctx.known:
+            if sev == 2 and (
+                given or (_storage(t) not in self.made and _storage(t) not in self.ctx.known)
+            ):
                 kind: Literal["nan", "inf"] = "nan" if _has_nan(t) else "inf"
                 module = self.ctx.current()
                 phase: Phase = "input"
@@ -450,6 +491,21 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.outside[k] = (len(self.candidates), cand)
                 return
 
+    def _lift(self, func: Any, args: Any, kwargs: dict[str, Any], ins: Any) -> Any:
+        """Python values becoming a tensor in the forward: inside a module of the model,
+        a module constant (judged where it is used); elsewhere, the step's data."""
+        out = func(*args, **kwargs)
+        if self.ctx.current() is not None:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                    self.constants[id(t)] = weakref.ref(t)
+            return out
+        in_t, _, _ = _floats((args, ins))
+        sevs = [_severity(t) for t in in_t]
+        if max(sevs, default=0) == 2:
+            self._outside_data(func, in_t, sevs, given=True)
+        return out
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         backward = _in_backward()
         if backward:
@@ -457,7 +513,7 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             self.ctx.forward_now()
         out = self._dispatch(func, args, kwargs or {}, backward)
-        self._note_outputs(out)
+        self._note_outputs(out, lifted=getattr(func, "overloadpacket", None) in _LIFT_OPS)
         return out
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any], backward: bool) -> Any:
@@ -470,10 +526,16 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*args, **kwargs)
         outs = _out_args(func)
         ins = {k: v for k, v in kwargs.items() if k not in outs} if outs else kwargs
-        in_t, in_s = _floats((args, ins))
-        if name in _FILLS and any(math.isinf(v) for v in in_s):
+        if name in _LIFTS and not backward:
+            return self._lift(func, args, kwargs, ins)
+        read = args[1:] if name in _OVERWRITES else args  # fill_ reads none of its self
+        in_t, in_s, consts = _floats((read, ins), self._is_constant if self.constants else None)
+        if name in _FILLS and (
+            any(math.isinf(v) for v in in_s)
+            or any(_severity(c) > 0 and not _has_nan(c) for c in consts)
+        ):
             return func(*args, **kwargs)  # a mask filled with -inf: intended (NaN is not)
-        sevs = [_severity(t) for t in in_t]
+        sevs = [_severity(t) for t in in_t]  # (constants are judged like scalars: not here)
         level = max(sevs, default=0)
         node = torch._C._current_autograd_node()
         if level == 2:
@@ -483,9 +545,10 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if not backward:
                 self._note_loss(name, in_t, [_severity(t) for t in _floats(out)[0]])
             return out
-        stats_in = [tensor_stats(t) for t in in_t]  # before an in-place op changes them
+        # before an in-place op changes them; constants after the other inputs
+        stats_in = [tensor_stats(t) for t in (*in_t, *consts)]
         out = func(*args, **kwargs)
-        out_t, _ = _floats(out)
+        out_t, _, _ = _floats(out)
         sev = [_severity(t) for t in out_t]
         if not backward:
             self._note_loss(name, in_t, sev)
