@@ -699,22 +699,25 @@ def _choose(
     return (strong or pool)[0].result
 
 
-def run_localized(
-    step_fn: Callable[[], object],
-    *,
-    model: nn.Module | None = None,
-    loss_of: Callable[[object], torch.Tensor | None] | None = None,
-) -> ReplayResult | None:
-    """One replay of ``step_fn`` with module context; the birth, or None.
+def _gradients_bad(model: nn.Module | None) -> bool:
+    """Whether a gradient of ``model``'s parameters holds NaN or an inf (one host read)."""
+    if model is None:
+        return False
+    grads = [values_of(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [g for g in grads if g.numel() > 0]
+    if not grads:
+        return False
+    dev = grads[0].device
+    return not bool(torch.stack([g.isfinite().all().to(dev) for g in grads]).all())
 
-    ``loss_of`` maps what ``step_fn`` returned to its loss (to tell forward harm from
-    backward harm); without it, a returned scalar tensor is taken as the loss, and
-    otherwise each forward pass's own loss is (see the module). ``step_fn`` may run
-    several forward and backward passes (gradient accumulation): each is localized as
-    if it ran alone, the first whose loss was non-finite first. This does not judge
-    whether the step was bad: a clean step's harmless non-finite values (a ``log(0)``
-    masked away) can be returned; :func:`replay` returns None for a clean step.
-    """
+
+def _run(
+    step_fn: Callable[[], object],
+    model: nn.Module | None,
+    loss_of: Callable[[object], torch.Tensor | None] | None,
+) -> tuple[ReplayResult | None, bool]:
+    """One replay: the birth (or None), and whether the step was bad (its loss or a
+    gradient of the model's parameters non-finite)."""
     ctx = _Context(model)
     births = _Births(ctx)
     handles, hits = _param_grad_hooks(model, births)
@@ -740,7 +743,7 @@ def run_localized(
                 f"replay: step_fn raised {type(exc).__name__}: {exc} after the first "
                 "non-finite value was produced; returning where it was born",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=3,  # replay()'s caller
             )
         finally:
             for h in handles:
@@ -750,7 +753,30 @@ def run_localized(
     if loss is None and isinstance(result, torch.Tensor) and result.numel() == 1:
         loss = result
     loss_bad = None if loss is None else _severity(values_of(loss.detach())) > 0
-    return _choose(ctx, births, hits, loss_bad)
+    bad = (any(ctx.loss_bad) if loss_bad is None else loss_bad) or _gradients_bad(ctx.model)
+    return _choose(ctx, births, hits, loss_bad), bad
+
+
+def run_localized(
+    step_fn: Callable[[], object],
+    *,
+    model: nn.Module | None = None,
+    loss_of: Callable[[object], torch.Tensor | None] | None = None,
+) -> ReplayResult | None:
+    """One replay of ``step_fn`` with module context; the birth, or None.
+
+    ``loss_of`` maps what ``step_fn`` returned to its loss (to tell forward harm from
+    backward harm); without it, a returned scalar tensor is taken as the loss, and
+    otherwise each forward pass's own loss is (see the module). ``step_fn`` may run
+    several forward and backward passes (gradient accumulation): each is localized as
+    if it ran alone, the first whose loss was non-finite first.
+
+    This does not judge whether the step was bad (the guard replays bad steps only,
+    and checks that the replay was bad again): a clean step's harmless non-finite
+    values, such as a ``log(0)`` masked away, can be returned. :func:`replay` returns
+    None for a clean step.
+    """
+    return _run(step_fn, model, loss_of)[0]
 
 
 def replay(
@@ -761,14 +787,22 @@ def replay(
 
     ``model``: the module whose names and parameters to use (default: the first
     module ``step_fn`` calls). A parameter that is already non-finite is reported as
-    phase "param" before anything runs. ``-inf`` masks are intended: a replay of a
-    clean step returns None whatever its masks hold. With ``repeat=2`` (or more) the
-    step runs again and ``deterministic`` says whether the same op at the same line
-    was found every time. ``step_fn`` should only compute (no optimizer step); if it
-    returns its loss, the loss tells forward harm from backward harm. A compiled
-    model runs eagerly here. A step that raises after the birth (a NaN-loss check)
-    returns the birth with a RuntimeWarning; before it, the exception propagates.
-    Replays never advance a :class:`Monitor`'s steps.
+    phase "param" before anything runs. ``step_fn`` should only compute (no optimizer
+    step); if it returns its loss (a one-element tensor), the loss tells forward harm
+    from backward harm; it may run several forward and backward passes (gradient
+    accumulation).
+
+    A clean step returns None, whatever non-finite values it computed: a value that
+    harms nothing is not a fault (an ``-inf`` mask, T5's ``log(0)`` in its
+    relative-position buckets, a ``log`` whose ``-inf`` a ``where`` removes). The step
+    is clean when its loss is finite (the returned one; without one, each forward
+    pass's own loss, see the module) and so is every gradient of the model's
+    parameters after ``step_fn`` (including gradients it found there: zero them
+    first). With ``repeat=2`` (or more) the step runs again and ``deterministic`` says
+    whether the same op at the same line was found every time (a run that was clean
+    found nothing). A compiled model runs eagerly here. A step that raises after the
+    birth (a NaN-loss check) returns the birth with a RuntimeWarning; before it, the
+    exception propagates. Replays never advance a :class:`Monitor`'s steps.
     """
     if not callable(step_fn):
         raise TypeError(f"replay needs a callable, got {type(step_fn).__name__}")
@@ -776,7 +810,8 @@ def replay(
         raise ValueError(f"repeat={repeat!r} must be a positive int")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"replay(model=...) needs an nn.Module, got {type(model).__name__}")
-    results = [run_localized(step_fn, model=model) for _ in range(repeat)]
+    runs = [_run(step_fn, model, None) for _ in range(repeat)]
+    results = [birth if bad else None for birth, bad in runs]
     first = results[0]
     if repeat == 1:
         return first
