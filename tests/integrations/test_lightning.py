@@ -1,6 +1,9 @@
 """The Lightning callback: a tiny LightningModule on CPU, a NaN batch, a NaN weight and a
 loss spike, with and without gradient accumulation; skipped steps leave the optimizer
-state untouched; the guard's state goes through a Lightning checkpoint."""
+state untouched; the guard's state goes through a Lightning checkpoint; a replay logs
+nothing (the user's self.log goes on); floatguard/loss is the mean micro-batch loss as
+training_step returned it (not divided by accumulate_grad_batches, nor multiplied by a
+GradScaler's scale)."""
 
 from __future__ import annotations
 
@@ -145,3 +148,154 @@ def test_the_guard_state_goes_through_a_lightning_checkpoint(tmp_path: Path) -> 
     assert sum(second.totals.values()) == 40  # the totals went on from the checkpoint
     steps = [e.step for e in second.guard.events.of_kind("step")]
     assert steps[0] == 20 and steps[-1] == 39  # its events continue the step numbers
+
+
+# --------------------------------------------------------------------------------------
+# A replay logs nothing; floatguard/loss is the real (mean micro-batch) loss.
+
+
+class MemoryLogger(pl.loggers.Logger):  # type: ignore[misc]
+    """What a logger receives: one row per logging step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append(dict(metrics))
+
+
+class LoggingModule(Module):
+    """Logs its loss with self.log and self.log_dict; keeps what training_step returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        self.log_dict({"train_mse": loss}, on_step=True, on_epoch=False)
+        self.returned.append(loss.detach().float().clone())
+        return loss
+
+
+class Reference(pl.Callback):  # type: ignore[misc]
+    """The reference loss of each batch, recomputed at batch start (the weights the step's
+    training_step sees), and the result keys Lightning holds after each batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.keys: set[str] = set()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        x, y = batch
+        with torch.no_grad():
+            self.losses.append(float(((pl_module.net(x) - y) ** 2).mean()))
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, out: Any, batch: Any, idx: int
+    ) -> None:
+        self.keys |= set(trainer._results.keys())  # Lightning's result collection: "<hook>.<name>"
+
+
+def _trainer(tmp_path: Path, callbacks: list[Any], logger: Any, **kw: Any) -> Any:
+    return pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, callbacks=callbacks, logger=logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path), **kw,
+    )  # fmt: skip
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6)
+
+
+def test_a_replay_logs_nothing(tmp_path: Path) -> None:
+    """After the replay of a NaN batch, the user's train_loss goes on with the real loss
+    of each batch (it froze at NaN when the replay's self.log, run inside Lightning's
+    optimizer_step hook, made an optimizer_step.train_loss entry that shadowed it)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 8, 4, generator=g), torch.randn(12, 8, 1, generator=g)
+    x[4, 0, 0] = math.nan
+    loader = torch.utils.data.DataLoader(list(zip(x, y, strict=True)), batch_size=None)
+    cb, ref, logger, module = FloatguardCallback(), Reference(), MemoryLogger(), LoggingModule()
+    _trainer(tmp_path, [cb, ref], logger).fit(module, loader)
+    events = list(read_events(tmp_path / "floatguard-events.jsonl"))
+    assert [(e.step, e["phase"]) for e in events if e.kind == "fault"] == [(4, "input")]
+    assert len(module.returned) > 12  # the NaN step was replayed (training_step ran again)
+    assert len(logger.rows) == 12
+    for step, (row, want) in enumerate(zip(logger.rows, ref.losses, strict=True)):
+        assert _same(row["train_loss"], want), step
+        assert _same(row["train_mse"], want), step
+        assert _same(row["floatguard/loss"], want), step
+    assert math.isnan(ref.losses[4]) and all(math.isfinite(v) for v in ref.losses[5:])
+    assert len(set(ref.losses[5:])) == 7  # the values after the replay keep changing
+    assert not any(k.startswith("optimizer_step.") for k in ref.keys)
+    assert "training_step.train_loss" in ref.keys
+    last = float(module.trainer.callback_metrics["train_loss"])
+    assert last == pytest.approx(ref.losses[-1], rel=1e-6)
+    # Nothing of the callback stays on the module after the run.
+    assert not {"log", "log_dict", "training_step"} & set(vars(module))
+
+
+def _precision_kw(precision: str) -> dict[str, Any]:
+    if precision == "32":
+        return {}
+    # The CUDA path on CPU: Lightning makes no GradScaler for 16-mixed on CPU by itself.
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+
+
+@pytest.mark.parametrize("precision", ["32", "16-mixed with a GradScaler"])
+def test_floatguard_loss_is_the_mean_micro_batch_loss(tmp_path: Path, precision: str) -> None:
+    """Lightning divides the loss by accumulate_grad_batches (and the GradScaler
+    multiplies it by its scale) before on_before_backward; floatguard/loss is the mean of
+    the micro-batches' losses as training_step returned them."""
+    accum = 2
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 8, 4, generator=g), torch.randn(16, 8, 1, generator=g)
+    loader = torch.utils.data.DataLoader(list(zip(x, y, strict=True)), batch_size=None)
+    cb, ref, logger, module = FloatguardCallback(), Reference(), MemoryLogger(), LoggingModule()
+    trainer = _trainer(
+        tmp_path, [cb, ref], logger, accumulate_grad_batches=accum, **_precision_kw(precision)
+    )
+    trainer.fit(module, loader)
+    assert cb.totals == {"applied": 8, "skipped": 0, "rolled_back": 0}
+    returned = [float(v) for v in module.returned]
+    assert len(returned) == 16  # no replay: one training_step per batch
+    if precision == "32":  # what training_step returned is the loss at the step's weights
+        assert returned == pytest.approx(ref.losses, rel=1e-6)
+    want = [sum(returned[i : i + accum]) / accum for i in range(0, 16, accum)]
+    got = [row["floatguard/loss"] for row in logger.rows]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert cb.guard is not None
+    steps = [e["loss"] for e in cb.guard.events.of_kind("step")]
+    assert steps == pytest.approx(want, rel=1e-6)  # the guard decided on the same values
+
+
+def test_logging_off_puts_back_what_was_there() -> None:
+    from floatguard.integrations.lightning import _logging_off
+
+    module = LoggingModule()
+    own = lambda *a, **k: "own"  # noqa: E731  (an instance attribute of the user's)
+    module.log = own
+    with _logging_off(module):
+        assert module.log("x", 1.0) is None and module.log_dict({"x": 1.0}) is None
+    assert module.log is own and "log_dict" not in vars(module)
+    with pytest.raises(RuntimeError), _logging_off(module):
+        raise RuntimeError  # restored on the way out of an error too
+    assert module.log is own and "log_dict" not in vars(module)

@@ -11,9 +11,14 @@ front of it: at ``on_train_start`` it wraps each optimizer's ``step`` (the torch
 optimizer Lightning's precision plugin calls) and, for schedulers stepped every step
 (``interval="step"``), the scheduler's ``step``. When Lightning steps an optimizer, the
 wrapped step runs Lightning's closure (``training_step``, backward, Lightning's own
-gradient clipping), then the guard decides (one host read) on the losses seen in
-``on_before_backward`` since the last step (every micro-batch under
-``accumulate_grad_batches``):
+gradient clipping), then the guard decides (one host read) on the mean of the losses
+``training_step`` returned since the last step (every micro-batch under
+``accumulate_grad_batches``). They are taken as returned, by a wrapper the callback
+puts on the module's ``training_step`` for the run (removed at ``on_train_end`` and
+``on_exception``): the loss Lightning hands ``on_before_backward`` is divided by
+``accumulate_grad_batches`` and, under ``16-mixed``, multiplied by the GradScaler's
+scale, so ``floatguard/loss`` and the spike detector would see a fraction, or a
+multiple that moves with the scale, of the real loss. Then:
 
 - *applied*: the optimizer steps, then the step-interval schedulers;
 - *skipped* or *rolled back*: the optimizer does not step (so AdamW's moments and weight
@@ -21,19 +26,30 @@ gradient clipping), then the guard decides (one host read) on the losses seen in
   optimizer and schedulers from the guard's snapshot.
 
 A bad step is localized by replaying ``training_step`` on the step's batches (kept by
-reference from ``on_train_batch_start``). Under ``16-mixed`` Lightning's GradScaler sees
-the gradients before the guard: any non-finite gradient (an overflow, but also a NaN
-batch) is its skip and back-off, which the guard records as an ``overflow`` step;
-Lightning also calls ``scaler.update()`` after the guard's own skips (spikes), which
-counts them toward the scale's growth. (In transformers' Trainer the guard decides
-first: there only a finite-loss overflow goes to the scaler.) Metrics are logged with
-``pl_module.log_dict`` (``floatguard/*``) and the guard's state goes into Lightning
-checkpoints (:meth:`FloatguardCallback.state_dict`).
+reference from ``on_train_batch_start``). A replay logs nothing: the module's ``log``
+and ``log_dict`` are no-ops while it runs (restored after), so the user's own metrics
+(``self.log("train_loss", ...)``) keep the values of the real runs. Without this the
+replay, which runs inside Lightning's ``optimizer_step`` hook, created an
+``optimizer_step.train_loss`` entry that shadowed the real one for the rest of the run
+(frozen at the bad step's value). Other side effects of ``training_step`` do happen
+again in a replay (a torchmetrics ``update``, a counter on the module): keep them out
+of ``training_step`` or expect the bad step's batches counted twice.
+
+Under ``16-mixed`` Lightning's GradScaler sees the gradients before the guard: any
+non-finite gradient (an overflow, but also a NaN batch) is its skip and back-off,
+which the guard records as an ``overflow`` step; Lightning also calls
+``scaler.update()`` after the guard's own skips (spikes), which counts them toward the
+scale's growth. (In transformers' Trainer the guard decides first: there only a
+finite-loss overflow goes to the scaler.) Metrics are logged with
+``pl_module.log_dict`` (``floatguard/*``; ``floatguard/loss`` is the step's mean
+micro-batch loss, as ``training_step`` returned it) and the guard's state goes into
+Lightning checkpoints (:meth:`FloatguardCallback.state_dict`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +77,28 @@ def _precision_of(trainer: Any) -> Precision:
 def _loss_of(out: Any) -> torch.Tensor | None:
     loss = out.get("loss") if isinstance(out, dict) else out
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _logging_off(module: Any) -> Iterator[None]:
+    """``module.log`` and ``module.log_dict`` do nothing inside (instance attributes
+    over the class's methods; a module's own instance attributes are put back)."""
+    names = ("log", "log_dict")
+    own = {n: vars(module)[n] for n in names if n in vars(module)}
+    for n in names:
+        setattr(module, n, _no_log)
+    try:
+        yield
+    finally:
+        for n in names:
+            if n in own:
+                setattr(module, n, own[n])
+            else:
+                delattr(module, n)
 
 
 class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
@@ -97,6 +135,7 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
         if self._restored is not None:
             self.guard.load_state_dict(self._restored["guard"])
             self.totals = dict(self._restored["totals"])
+        self.wrap(pl_module, "training_step", self._training_step)
         self.wrap(opt, "step", self._optimizer_step)
         for sched in per_step:
             self.wrap(sched, "step", self.scheduler_step)
@@ -107,9 +146,15 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
     ) -> None:
         self._batches = (*self._batches, (batch, batch_idx))
 
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+    def _training_step(self, original: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        """Lightning's (and only Lightning's: not a replay's) ``training_step``: its
+        loss, as returned, is recorded for the step's decision (a device op)."""
+        out = original(*a, **kw)
         if self.guard is not None and not self._replaying:
-            self.guard.record_loss(loss)
+            loss = _loss_of(out)
+            if loss is not None:
+                self.guard.record_loss(loss)
+        return out
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._awaiting_step = True  # cleared when the (wrapped) optimizer step runs
@@ -138,7 +183,8 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
             def closure() -> torch.Tensor:
                 self._replaying = True
                 try:
-                    loss = _loss_of(module.training_step(batch, idx))
+                    with _logging_off(module):
+                        loss = _loss_of(module.training_step(batch, idx))
                 finally:
                     self._replaying = False
                 if loss is None:
@@ -166,6 +212,11 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.unwrap()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # The module outlives the run: its training_step must not stay wrapped (a later
+        # fit would record every loss twice). The optimizer is the run's own.
         self.unwrap()
 
     # ------------------------------------------------------ checkpoints
