@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -66,7 +67,17 @@ class ClipPolicy:
 @dataclass(frozen=True)
 class SpikePolicy:
     """Which signals to watch and how: ``detector="robust"`` (median/MAD z-score, window
-    and ``z``) or ``"lesson"`` (window mean + ``threshold`` std with ``patience``)."""
+    and ``z``) or ``"lesson"`` (window mean + ``threshold`` std with ``patience``).
+
+    The robust detector calls a value a spike only when its z-score is above ``z``
+    **and** it jumps materially over the window's median (by ``min_rel`` of it for the
+    loss, ``grad_norm_min_rel`` for the gradient norm, whose early-training swings of
+    2x are ordinary) **and** it goes ``range_rel`` beyond the range the window has
+    come back from; exact zeros (a hinge loss) are left out of its statistics, and
+    ``min_spread`` gives an all-zero window an absolute scale. See
+    :class:`~floatguard.stability.spikes.RobustSpikeDetector` and the false-spike table
+    in ``docs/guard.md``.
+    """
 
     watch_loss: bool = True
     watch_grad_norm: bool = False
@@ -76,6 +87,10 @@ class SpikePolicy:
     warmup: int = 10
     threshold: float = 5.0
     patience: int = 1
+    min_rel: float = 0.5
+    grad_norm_min_rel: float = 2.0
+    range_rel: float = 1.5
+    min_spread: float = 0.0
 
     def __post_init__(self) -> None:
         if self.detector not in get_args(DetectorKind):
@@ -84,6 +99,13 @@ class SpikePolicy:
             raise ValueError(f"SpikePolicy.window={self.window!r} must be an int >= 3")
         if not self.z > 0 or not self.threshold > 0:
             raise ValueError("SpikePolicy.z and threshold must be > 0")
+        for name in ("min_rel", "grad_norm_min_rel", "range_rel", "min_spread"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(
+                    f"SpikePolicy.{name}={v!r} must be a finite number >= 0 (0 turns that "
+                    "bar off)"
+                )
 
 
 @dataclass(frozen=True)

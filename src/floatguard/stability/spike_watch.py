@@ -16,21 +16,24 @@ class SpikeDetector:
     """One detector as the guard uses it: ``would_spike`` before deciding (no state
     change), ``record`` after an applied step, and its ``state_dict``."""
 
-    def __init__(self, policy: SpikePolicy) -> None:
+    def __init__(self, policy: SpikePolicy, *, min_rel: float | None = None) -> None:
         self.policy = policy
         self.impl: LossSpikeHandler | RobustSpikeDetector
         if policy.detector == "lesson":
             self.impl = LossSpikeHandler(policy.threshold, policy.patience, policy.window)
         else:
             self.impl = RobustSpikeDetector(
-                policy.window, policy.z, min(policy.warmup, policy.window)
+                policy.window,
+                policy.z,
+                min(policy.warmup, policy.window),
+                min_rel=policy.min_rel if min_rel is None else min_rel,
+                range_rel=policy.range_rel,
+                min_spread=policy.min_spread,
             )
 
     def would_spike(self, value: float) -> bool:
         """Whether recording ``value`` would call for action (no state change)."""
-        if isinstance(self.impl, LossSpikeHandler):
-            return self.impl.is_spike(value) and self.impl.spike_count + 1 >= self.impl.patience
-        return self.impl.score(value) > self.impl.z  # TODO-merge: is_spike
+        return self.impl.would_trigger(value)
 
     def record(self, value: float) -> None:
         self.impl.check(value)
@@ -48,7 +51,11 @@ class SpikeWatch:
 
     def __init__(self, policy: SpikePolicy) -> None:
         self.loss = SpikeDetector(policy) if policy.watch_loss else None
-        self.grad_norm = SpikeDetector(policy) if policy.watch_grad_norm else None
+        self.grad_norm = (
+            SpikeDetector(policy, min_rel=policy.grad_norm_min_rel)
+            if policy.watch_grad_norm
+            else None
+        )
 
     def check(
         self, loss: float, grad_norm: float
