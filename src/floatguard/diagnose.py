@@ -66,6 +66,13 @@ def bad_input(events: list[Event]) -> list[Finding]:
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
+    stopped = any(e.kind == "stop" and e.fields.get("reason") == "bad_data" for e in events)
+    done = (
+        "the guard stopped the run: so many batches were non-finite that training on "
+        "would learn from too little data"
+        if stopped
+        else "the guard skipped each such batch without changing the LR or the loss scale"
+    )
     return [Finding(
         "bad_input", "Non-finite values in the data",
         f"{len(hits)} batch(es) carried NaN/inf into the step (steps {_list(steps)}); "
@@ -73,14 +80,71 @@ def bad_input(events: list[Event]) -> list[Finding]:
         "the data pipeline produced them (a corrupted sample, a bad loss mask, a division "
         "by zero in preprocessing); the model did nothing wrong",
         "validate batches where they are made (torch.isfinite on inputs and loss weights); "
-        "the guard skipped each such batch without changing the LR or the loss scale",
-        2, steps,
+        + done,
+        3 if stopped else 2, steps,
+    )]  # fmt: skip
+
+
+def _param_kind(e: Event) -> str:
+    """What a parameter-phase fault says happened: "state" (an optimizer state tensor),
+    "update" (the optimizer update made it), "magnitude" (a finite weight jumped
+    absurdly) or "weight" (a weight already bad)."""
+    cause = e.fields.get("cause")
+    if cause == "nonfinite_optimizer_state" or str(e["tensor"]).startswith("optimizer:"):
+        return "state"
+    if cause == "optimizer_update" or e.fields.get("op") == "optimizer.step":
+        return "update"
+    if e.fields.get("op") == "magnitude":
+        return "magnitude"
+    return "weight"
+
+
+@_rule
+def optimizer_update(events: list[Event]) -> list[Finding]:
+    hits = [e for e in _faults(events) if e["phase"] == "param" and _param_kind(e) == "update"]
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    names = sorted({f"{_where(e)}.{e['tensor']}" for e in hits})
+    return [Finding(
+        rule="optimizer_update", title="The optimizer update made a weight non-finite",
+        evidence=(f"{', '.join(names)} finite with finite gradients before the update of "
+                  f"step {hits[0].step - 1}, non-finite after it (step(s) {_list(steps)})"),
+        cause=("the update itself overflowed or divided by zero: with 16-bit weights the "
+               "update is computed and rounded in 16 bits, and AdamW's eps (1e-8) is 0 in "
+               "fp16, so a moment that underflowed to 0 gives 0/0; or the LR is too high"),
+        fix=("keep fp32 master weights (floatguard.MasterWeights, or train in fp32 under "
+             "autocast instead of model.half()); use an eps the dtype can hold (>= 1e-4 "
+             "in fp16); lower the LR"),
+        severity=3, steps=steps,
+    )]  # fmt: skip
+
+
+@_rule
+def bad_optimizer_state(events: list[Event]) -> list[Finding]:
+    hits = [e for e in _faults(events) if e["phase"] == "param" and _param_kind(e) == "state"]
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    names = sorted({f"{_where(e)}.{e['tensor']}" for e in hits})
+    return [Finding(
+        rule="bad_optimizer_state", title="An optimizer state tensor went non-finite",
+        evidence=f"{', '.join(names)} at step(s) {_list(steps)}",
+        cause=("a moment (exp_avg, exp_avg_sq) held a NaN or inf before the weight it updates "
+               "went bad: a low-precision optimizer state that overflowed (g**2 past fp16's "
+               "range), a write from outside the optimizer, or memory corruption"),
+        fix=("keep optimizer states in fp32; the guard rolled back to the last snapshot, "
+             "whose states were vetted finite; if it recurs on one machine, check its memory"),
+        severity=3, steps=steps,
     )]  # fmt: skip
 
 
 @_rule
 def bad_parameter(events: list[Event]) -> list[Finding]:
-    hits = [e for e in _faults(events) if e["phase"] == "param"]
+    hits = [
+        e for e in _faults(events)
+        if e["phase"] == "param" and _param_kind(e) in ("weight", "magnitude")
+    ]  # fmt: skip
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
@@ -88,7 +152,15 @@ def bad_parameter(events: list[Event]) -> list[Finding]:
         e for e in events if e.kind in ("spike", "lr_backoff") and hits[0].step - 20 <= e.step
         < hits[0].step
     ]  # fmt: skip
-    if spikes_before:
+    if all(_param_kind(e) == "magnitude" for e in hits):
+        cause = (
+            "a weight stayed finite but jumped to an absurd magnitude between steps (orders "
+            "of magnitude past its value at the last snapshot): a flipped exponent bit "
+            "(memory corruption) or a write from outside the optimizer"
+        )
+        fix = ("the guard rolled back to the last verified snapshot; if it recurs on one "
+               "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
+    elif spikes_before:
         cause = ("an optimizer step with too large an update (loss or gradient spikes came "
                  "just before it): the learning rate is too high for this phase")  # fmt: skip
         fix = "lower the peak LR or lengthen warmup; keep gradient clipping on"
