@@ -30,6 +30,7 @@ class Frame:
     deps: list[int]  # slots: the input (if any), then the rule's parameters
     acc: float  # unit roundoff of the sums inside (bounds.accumulation_roundoff)
     g_slot: int | None = None  # slot of the gradient that arrived at the output
+    dropped: bool = False  # its forward's records were dropped: its deps are gone
 
 
 _GLOBAL_HOOKS = (

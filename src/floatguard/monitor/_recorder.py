@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from floatguard.monitor._forwards import Forward, drop_dead
 from floatguard.monitor._proofs import Frame, RuleCache, build_frame
 from floatguard.monitor._records import RecordBook, Roles
 from floatguard.monitor._tree import floats, has_leaf, map_watched, version_of, watched
@@ -53,7 +54,7 @@ class Callee(NamedTuple):
 
     @classmethod
     def of(cls, module: nn.Module, provable_type: bool) -> Callee:
-        """``provable_type``: whether the module's type has a rule (see
+        """``module``'s callee; ``provable_type``: whether its type has a rule (see
         :func:`~floatguard.monitor.bounds.provable_type`)."""
         own = dict(module.named_parameters(recurse=False))
         rule_pnames = rule_params(module)
@@ -66,9 +67,11 @@ class Callee(NamedTuple):
 
 class Recorder:
     """One step's records and what the hooks need to make them: the calls in progress
-    (``stack``, ``frames``), the tensors whose gradients are awaited (``hooked``), the
-    last gradient checked; and the step's reading (``status``, ``analysis``: cached
-    until a record is added). ``stats_on`` says whether records keep statistics."""
+    (``stack``, ``frames``), the step's top-level calls (``forwards``: the dead ones
+    are dropped when the next begins), the tensors whose gradients are awaited
+    (``hooked``), the last gradient checked; and the step's reading (``status``,
+    ``analysis``: cached until a record is added). ``stats_on`` says whether records
+    keep statistics."""
 
     def __init__(self, stats_on: Callable[[], bool], proofs: ProofMode) -> None:
         self.book = RecordBook()
@@ -83,11 +86,19 @@ class Recorder:
         self.last_grad: tuple[torch.Tensor, tuple[Any, ...], int] | None = None
         self.status: list[str] = []
         self.analysis: list[Fault] | None = None
+        self.forwards: list[Forward] = []  # this step's top-level calls, in order
+        self._forward: Forward | None = None  # the one running
+        # The key of the running forward's token in its nodes' metadata: one per
+        # recorder (two monitors may watch one model), so a node shared by several
+        # forwards (a tensor returned again) holds one token, the latest forward's.
+        self._key = f"floatguard.monitor.{id(self)}"
 
     def clear(self) -> None:
         """Forget the step's records (the calls in progress stay)."""
         self.book.clear()
         self.hooked.clear()
+        self.forwards.clear()
+        self._forward = None
         self.backward_seen = False
         self.analysis = None
         self.last_grad = None
@@ -133,6 +144,36 @@ class Recorder:
         self.book.remember(t, version, rec.slot)
         return rec.slot
 
+    # --------------------------------------------------- top-level calls
+    def _begin_forward(self) -> None:
+        """A top-level call begins: drop the earlier forwards that are dead (see
+        :attr:`Forward.dead`), then open this one."""
+        if any(f.dead for f in self.forwards):
+            self._drop_dead()
+        self._forward = Forward.open(len(self.book.records))
+        self.forwards.append(self._forward)
+
+    def _drop_dead(self) -> None:
+        """Drop the dead forwards (:func:`drop_dead`), the awaited entries and leaf hooks
+        they made, and the entries of tensors that are gone; renumber the last gradient."""
+        self.forwards, dead, remap = drop_dead(self.forwards, self.book)
+        for f in dead:
+            for key, pending in f.hooked:
+                if self.hooked.get(key) is pending:
+                    del self.hooked[key]
+            for h in f.handles:
+                h.remove()
+            if f.handles:
+                gone = {id(h) for h in f.handles}
+                self.step_handles = [h for h in self.step_handles if id(h) not in gone]
+        # An entry whose tensor is gone matched by identity only: it matches nothing now.
+        self.hooked = {k: p for k, p in self.hooked.items() if p.ref() is not None}
+        last = self.last_grad
+        if last is not None:
+            slot = remap.get(last[2])
+            self.last_grad = None if slot is None else (last[0], last[1], slot)
+        self.analysis = None
+
     # ------------------------------------------------------------ the forward
     def enter(
         self,
@@ -144,6 +185,8 @@ class Recorder:
     ) -> Any:
         """A module call begins (its forward pre-hook): record its inputs and parameters,
         make its frame, and (with grad) hand it watched views of its inputs."""
+        if not self.stack:
+            self._begin_forward()
         self.stack.append(name)
         path = tuple(self.stack)
         inputs = floats(args, "input")
@@ -157,6 +200,8 @@ class Recorder:
             frame = build_frame(
                 mod, inputs, params, slots, pslots, callee.rule_pnames, callee.is_embedding
             )
+            if frame is not None and self._forward is not None:
+                self._forward.frames.append(frame)
         if mod.__dict__.get("inplace") is True:
             # It will overwrite its input: a proof of that input must read it now.
             for slot in slots:
@@ -206,8 +251,16 @@ class Recorder:
         # recorded ahead of the grad_input.
         before = _Pending(weakref.ref(v), [], [])
         self.hooked[id(v)] = before
+        fwd = self._forward
+        if fwd is not None:
+            fwd.hooked.append((id(v), before))
         hook = functools.partial(
-            self.on_grad, kind="bwd_grad_input", roles=[(path, role)], frame=frame, before=before
+            self.on_grad,
+            kind="bwd_grad_input",
+            roles=[(path, role)],
+            frame=frame,
+            before=before,
+            forward=fwd,
         )
         v.register_hook(hook)  # type: ignore[no-untyped-call]
         return v
@@ -243,12 +296,20 @@ class Recorder:
         if on_top:
             self.stack.pop()
             self.frames.pop()
+            if not self.stack and self._forward is not None:
+                self._forward.close(len(self.book.records))
+                self._forward = None
         return replaced
 
     def _watch_output(
         self, t: torch.Tensor, path: tuple[str, ...], role: str, frame: Frame | None
     ) -> None:
         """Await the gradient of output ``t`` (its ``grad_output`` role ``role``)."""
+        node = t.grad_fn
+        fwd = self._forward
+        if node is not None and fwd is not None:
+            # this forward lives as long as its graph
+            node.metadata[self._key] = fwd.token  # type: ignore[index]
         pending = self.hooked.get(id(t))
         if pending is not None and pending.ref() is t:
             pending.roles.append((path, role))  # a parent returning its child's output
@@ -258,9 +319,8 @@ class Recorder:
         roles = [(path, role)]
         frames = [frame] if frame is not None else []
         on_grad = functools.partial(
-            self.on_grad, kind="bwd_grad_output", roles=roles, out_frames=frames
+            self.on_grad, kind="bwd_grad_output", roles=roles, out_frames=frames, forward=fwd
         )
-        node = t.grad_fn
         if node is not None:
             # A pre-hook on the node that made t runs after every tensor hook on t (a
             # user's may rescale or replace the gradient): it sees the gradient this
@@ -269,7 +329,12 @@ class Recorder:
         else:  # a leaf nested where it could not be replaced
             h = t.register_hook(on_grad)  # type: ignore[no-untyped-call]
             self.step_handles.append(h)
-        self.hooked[id(t)] = _Pending(weakref.ref(t), roles, frames)
+            if fwd is not None:
+                fwd.handles.append(h)
+        pending = _Pending(weakref.ref(t), roles, frames)
+        self.hooked[id(t)] = pending
+        if fwd is not None:
+            fwd.hooked.append((id(t), pending))
 
     def _view_of_leaf(self, t: torch.Tensor) -> torch.Tensor:
         if not (t.requires_grad and t.grad_fn is None):
@@ -294,17 +359,27 @@ class Recorder:
         frame: Frame | None = None,
         out_frames: list[Frame] | None = None,
         before: _Pending | None = None,
+        forward: Forward | None = None,
     ) -> None:
         """Record a gradient as it arrives. ``roles``: its (call path, role)s; ``frame``:
         the call whose backward proof may prove it (a grad_input); ``out_frames``: calls
         whose output it is the gradient of (their proofs start from its slot);
-        ``before``: the pending entry of an input view a module may have returned."""
+        ``before``: the pending entry of an input view a module may have returned;
+        ``forward``: the top-level call whose hook this is (its backward has come)."""
         self.backward_seen = True
+        if forward is not None:
+            forward.reached = True
         if grad is None or not watched(grad):
             return
         if before is not None and before.roles:
             # The module returned its input view: this gradient is its grad_output too.
-            self.on_grad(grad, kind="bwd_grad_output", roles=before.roles, out_frames=before.frames)
+            self.on_grad(
+                grad,
+                kind="bwd_grad_output",
+                roles=before.roles,
+                out_frames=before.frames,
+                forward=forward,
+            )
         # The gradient a module sends to its input view usually arrives, as a view of
         # the same memory, at the previous module's output right after: check it once.
         # The last checked gradient is held (one buffer at most), so its memory cannot
@@ -326,6 +401,7 @@ class Recorder:
                 frame is not None
                 and frame.g_slot is not None
                 and frame.x is not None
+                and not frame.dropped
                 and grad.dtype in PROVABLE_DTYPES
                 and strided
                 and self.proofs == "all"

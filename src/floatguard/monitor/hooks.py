@@ -31,7 +31,7 @@ module call, ``on_grad`` for a gradient), then reading (the views themselves are
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -45,9 +45,18 @@ from floatguard.monitor.bounds import provable_type
 from floatguard.monitor.localize import Alert, Fault, localize
 from floatguard.stats import TensorStats
 
-__all__ = ["Monitor"]
+__all__ = ["Held", "Monitor"]
 
 Mode = Literal["sentinel", "stats"]
+
+
+class Held(NamedTuple):
+    """What a :class:`Monitor` holds for the current step (:attr:`Monitor.held`)."""
+
+    records: int  # records (reads, proofs and aliases)
+    slots: int  # sentinel slots (each a read or a proof)
+    awaited: int  # returned tensors whose gradient is awaited
+    device_bytes: int  # the reads' (min, max) scalars and the tensors proofs keep
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,6 +98,9 @@ class Monitor:
     several forward+backward micro-batches per optimizer step, call
     ``next_step()`` yourself (with ``auto_step=False``, only ``next_step()`` starts a
     step: the guard drives the monitor that way) or read after each micro-batch.
+    A forward that no backward reached and whose autograd graph is gone (an
+    evaluation run with grad enabled, say) is dropped from the step at the next
+    top-level call, so such forwards do not pile up (:attr:`held`).
 
     Reading: :attr:`found_nonfinite` is an exact device bool (no sync; it reads
     the proved tensors, so it costs what the proofs saved); :attr:`first_nonfinite`,
@@ -320,6 +332,14 @@ class Monitor:
         return loss
 
     # --------------------------------------------------------------- reading
+    @property
+    def held(self) -> Held:
+        """What the monitor holds for this step: records, slots, awaited gradients and
+        device bytes. No sync."""
+        rec = self._rec
+        book = rec.book
+        return Held(len(book.records), len(book.sentinel), len(rec.hooked), book.held_bytes())
+
     def packed_records(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(min, max) of every read record of this step as two device vectors, for a
         caller that folds them into its own single host read (the guard does); give
