@@ -339,7 +339,7 @@ def test_a_module_returning_its_own_parameter(proofs: str) -> None:
         counts = []
         for _ in range(3):
             net(torch.randn(2, 4)).sum().backward()
-            counts.append(len(mon._records))
+            counts.append(len(mon._rec.book.records))
             assert where(mon.faults) == [("bad", "backward", "nan", "grad_input[0]")]
         assert counts[0] == counts[1] == counts[2]
         net.zero_grad()

@@ -181,7 +181,7 @@ def _verdicts(
     with Monitor(net, proofs=proofs) as mon:
         out = net(idx, extra)
         out.float().sum().backward()
-        sen = mon._sentinel
+        sen = mon._rec.book.sentinel
         return (_faults(mon), _alerts(mon)), bool(mon.found_nonfinite), sen.reads, len(sen)
 
 
@@ -298,7 +298,7 @@ def test_bf16_autocast_is_proved_and_exact() -> None:
     m = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
     with Monitor(m) as mon, torch.autocast("cpu", dtype=torch.bfloat16):
         m(torch.randn(4, 8)).float().sum().backward()
-    assert mon._sentinel.reads < len(mon._sentinel)
+    assert mon._rec.book.sentinel.reads < len(mon._rec.book.sentinel)
     assert mon.first_nonfinite is None and not bool(mon.found_nonfinite)
     with torch.no_grad():
         m[2].weight.fill_(3e38)  # bf16 output of the last Linear overflows
@@ -312,7 +312,7 @@ def test_fp16_autocast_is_never_proved() -> None:
     m = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
     with Monitor(m) as mon, torch.autocast("cpu", dtype=torch.float16):
         m(torch.randn(4, 8)).float().sum().backward()
-    assert mon._sentinel.reads == len(mon._sentinel)
+    assert mon._rec.book.sentinel.reads == len(mon._rec.book.sentinel)
 
 
 def _gpt_coverage(proofs: bool | str) -> tuple[float, set[str]]:
@@ -324,9 +324,9 @@ def _gpt_coverage(proofs: bool | str) -> tuple[float, set[str]]:
     with Monitor(model, proofs=proofs) as mon:  # type: ignore[arg-type]
         logits = model(x)
         F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1)).backward()
-        sen = mon._sentinel
+        sen = mon._rec.book.sentinel
         assert mon.first_nonfinite is None and not bool(mon.found_nonfinite)
-    first = {r.slot: r for r in reversed(mon._records)}  # the record that made each slot
+    first = {r.slot: r for r in reversed(mon._rec.book.records)}  # the record that made each slot
     proved = sum(math.prod(r.shape) for s, r in first.items() if sen.is_proof(s))
     total = sum(math.prod(r.shape) for r in first.values())
     kinds = {r.kind for s, r in first.items() if sen.is_proof(s)}
