@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -12,7 +11,7 @@ import torch
 from floatguard._values import local_part, values_of
 from floatguard.monitor.bounds import Rule, sum_rule
 from floatguard.monitor.localize import Record, RecordKind
-from floatguard.monitor.sentinel import Proof, Sentinel
+from floatguard.monitor.sentinel import Sentinel
 from floatguard.stats import TensorStats, stats_and_aminmax
 
 __all__ = ["RecordBook"]
@@ -29,63 +28,6 @@ class _Seen(NamedTuple):
     slot: int
 
 
-class _Sentinel(Sentinel):
-    """The sentinel, able to drop slots (the records of a forward that will get no
-    backward) and to say how many bytes it holds.
-
-    It works on :class:`Sentinel`'s own lists (``_slots``, ``_mins``, ``_maxs``,
-    ``_widths``); the natural home of these methods is that class."""
-
-    def deps_of(self, slot: int) -> tuple[int, ...]:
-        """The slots a proof reads (none for a read)."""
-        s = self._slots[slot]
-        return s.deps if isinstance(s, Proof) else ()
-
-    def retain(self, keep: Sequence[int]) -> dict[int, int]:
-        """Keep only the slots ``keep`` (ascending, with every slot their proofs read),
-        renumbered in order; returns each kept slot's new number."""
-        remap: dict[int, int] = {}
-        slots: list[int | Proof] = []
-        mins: list[torch.Tensor] = []
-        maxs: list[torch.Tensor] = []
-        for new, old in enumerate(keep):
-            s = self._slots[old]
-            if isinstance(s, Proof):
-                slots.append(dataclasses.replace(s, deps=tuple(remap[d] for d in s.deps)))
-            else:
-                slots.append(len(mins))
-                mins.append(self._mins[s])
-                maxs.append(self._maxs[s])
-            remap[old] = new
-        self._widths = [self._widths[old] for old in keep]
-        self._slots, self._mins, self._maxs = slots, mins, maxs
-        self._flag = None
-        return remap
-
-    def held_bytes(self) -> int:
-        """Bytes of device memory the records hold: the reads' (min, max) scalars and
-        the tensors the proofs keep (each storage once; strided and sparse COO)."""
-        n = sum(t.element_size() for t in self._mins) * 2
-        storages: dict[tuple[torch.device, int], int] = {}
-        for s in self._slots:
-            if not isinstance(s, Proof):
-                continue
-            t = s.tensor
-            if t.layout == torch.strided:
-                parts = [t]
-            elif t.layout == torch.sparse_coo:
-                parts = [t._indices(), t._values()]
-            else:
-                parts = []
-            for part in parts:
-                try:
-                    st = part.untyped_storage()
-                    storages[(part.device, st.data_ptr())] = st.nbytes()
-                except (RuntimeError, NotImplementedError):  # a subclass without storage
-                    storages[(part.device, -id(part))] = part.element_size() * part.numel()
-        return n + sum(storages.values())
-
-
 class RecordBook:
     """One step's records in execution order, each pointing at a slot of the
     :class:`Sentinel` (a read or a proof); the alias table (tensor identity and version
@@ -93,7 +35,7 @@ class RecordBook:
     statistics of each slot that was read with them."""
 
     def __init__(self) -> None:
-        self.sentinel = _Sentinel()
+        self.sentinel = Sentinel()
         self.records: list[Record] = []
         self.slot_stats: dict[int, TensorStats] = {}
         self._seen: dict[int, _Seen] = {}
@@ -135,7 +77,7 @@ class RecordBook:
         return remap
 
     def held_bytes(self) -> int:
-        """Device bytes the records hold (see :meth:`_Sentinel.held_bytes`)."""
+        """Device bytes the records hold (see :meth:`Sentinel.held_bytes`)."""
         return self.sentinel.held_bytes()
 
     def seen_slot(self, t: torch.Tensor, version: int | None) -> int | None:

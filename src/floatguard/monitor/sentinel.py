@@ -23,6 +23,7 @@ verdicts per record and read only the tensors whose proofs did not settle.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,6 +129,55 @@ class Sentinel:
             self._slots[slot] = len(self._mins)
             self._mins.append(lo)
             self._maxs.append(hi)
+
+    def deps_of(self, slot: int) -> tuple[int, ...]:
+        """The slots a proof reads (none for a read)."""
+        s = self._slots[slot]
+        return s.deps if isinstance(s, Proof) else ()
+
+    def retain(self, keep: Sequence[int]) -> dict[int, int]:
+        """Keep only the slots ``keep`` (ascending, with every slot their proofs read),
+        renumbered in order; returns each kept slot's new number."""
+        remap: dict[int, int] = {}
+        slots: list[int | Proof] = []
+        mins: list[torch.Tensor] = []
+        maxs: list[torch.Tensor] = []
+        for new, old in enumerate(keep):
+            s = self._slots[old]
+            if isinstance(s, Proof):
+                slots.append(dataclasses.replace(s, deps=tuple(remap[d] for d in s.deps)))
+            else:
+                slots.append(len(mins))
+                mins.append(self._mins[s])
+                maxs.append(self._maxs[s])
+            remap[old] = new
+        self._widths = [self._widths[old] for old in keep]
+        self._slots, self._mins, self._maxs = slots, mins, maxs
+        self._flag = None
+        return remap
+
+    def held_bytes(self) -> int:
+        """Bytes of device memory the records hold: the reads' (min, max) scalars and
+        the tensors the proofs keep (each storage once; strided and sparse COO)."""
+        n = sum(t.element_size() for t in self._mins) * 2
+        storages: dict[tuple[torch.device, int], int] = {}
+        for s in self._slots:
+            if not isinstance(s, Proof):
+                continue
+            t = s.tensor
+            if t.layout == torch.strided:
+                parts = [t]
+            elif t.layout == torch.sparse_coo:
+                parts = [t._indices(), t._values()]
+            else:
+                parts = []
+            for part in parts:
+                try:
+                    st = part.untyped_storage()
+                    storages[(part.device, st.data_ptr())] = st.nbytes()
+                except (RuntimeError, NotImplementedError):  # a subclass without storage
+                    storages[(part.device, -id(part))] = part.element_size() * part.numel()
+        return n + sum(storages.values())
 
     def clear(self) -> None:
         self._flag = None

@@ -103,8 +103,7 @@ class SpikePolicy:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(
-                    f"SpikePolicy.{name}={v!r} must be a finite number >= 0 (0 turns that "
-                    "bar off)"
+                    f"SpikePolicy.{name}={v!r} must be a finite number >= 0 (0 turns that bar off)"
                 )
 
 
