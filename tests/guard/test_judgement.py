@@ -233,7 +233,7 @@ def test_the_magnitude_rule_never_trips_on_clean_training() -> None:
         model = GPT(cfg)
         opt = make_opt(model.parameters())
         g = torch.Generator().manual_seed(0)
-        before = {n: float(p.abs().max()) for n, p in model.named_parameters()}
+        before = {n: float(p.detach().abs().max()) for n, p in model.named_parameters()}
         margin = 0.0  # how close any growth came to the rule (1: it would trip)
         for step in range(150):
             x, y = synthetic_batch(cfg, 8, generator=g)
@@ -242,7 +242,7 @@ def test_the_magnitude_rule_never_trips_on_clean_training() -> None:
             opt.step()
             opt.zero_grad()
             if step % 5 == 4:
-                now = {n: float(p.abs().max()) for n, p in model.named_parameters()}
+                now = {n: float(p.detach().abs().max()) for n, p in model.named_parameters()}
                 for n, v in now.items():
                     assert not (v > FLOOR and v > JUMP * before[n]), (n, v, before[n])
                     margin = max(margin, v / max(JUMP * before[n], FLOOR))

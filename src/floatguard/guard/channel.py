@@ -124,9 +124,13 @@ class ReadChannel:
         return arm
 
     def head(
-        self, step: int, found: torch.Tensor, grads: list[torch.Tensor], loss: torch.Tensor,
+        self,
+        step: int,
+        found: torch.Tensor,
+        grads: list[torch.Tensor],
+        loss: torch.Tensor,
         dev: torch.device,
-    ) -> Head:  # fmt: skip
+    ) -> Head:
         """This step's head of the packed read, reduced over the ranks (no sync)."""
         if self.peers is None:
             norm = (

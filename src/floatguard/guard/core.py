@@ -16,7 +16,6 @@ Reading order: :meth:`Guard.step`, then ``_step`` (one screen), then the methods
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard.causes import CAUSES, Cause
 from floatguard.distributed import GuardDesync, PeerFailed, Peers
 from floatguard.events import EventLog
 from floatguard.guard import policy
@@ -35,7 +33,7 @@ from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import Judge, Verdict
 from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.locate import Locator
-from floatguard.guard.persist import guard_state_dict, load_guard_state_dict, stateful_objects
+from floatguard.guard.persist import GuardPersistence
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.run import StepRunner, as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
@@ -45,12 +43,12 @@ from floatguard.stability.clip import Clipper
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.snapshot import Snapshot
 from floatguard.stability.spike_watch import SpikeDetector, SpikeWatch
-from floatguard.stability.step_state import StepState, set_rng_state
+from floatguard.stability.step_state import StepState
 
 __all__ = ["Guard"]
 
 
-class Guard:
+class Guard(GuardPersistence):
     """Keep a training loop numerically healthy (``docs/guard.md`` has the whole story).
 
     Args:
@@ -141,29 +139,52 @@ class Guard:
             else None
         )
         peers = (
-            Peers(process_group, timeout_s=peer_timeout_s, grace_s=peer_grace_s,
-                  device=self._device)
+            Peers(
+                process_group, timeout_s=peer_timeout_s, grace_s=peer_grace_s, device=self._device
+            )
             if self._distributed
             else None
-        )  # fmt: skip
+        )
         self._channel = ReadChannel(
-            model, peers, process_group,
+            model,
+            peers,
+            process_group,
             configuration(precision, watch, self._clip, self._spikes, self._response, model),
             norm_type=self._clip.norm_type,
-        )  # fmt: skip
+        )
         on_loss = self._monitor.check_loss if self._monitor is not None else None
-        self._runner = StepRunner(precision, self._device, self._scaler, self._channel.region,
-                                  on_loss)  # fmt: skip
-        self._reader = StepReader(optimizer, self._scaler, self._channel, self._monitor,
-                                  self._device)  # fmt: skip
+        self._runner = StepRunner(
+            precision, self._device, self._scaler, self._channel.region, on_loss
+        )
+        self._reader = StepReader(
+            optimizer, self._scaler, self._channel, self._monitor, self._device
+        )
         self._state = StepState(model)
         self._state.save()
-        self._locator = Locator(model, optimizer, precision, self._state, self._runner,
-                                self._reader, self._channel, self._device)  # fmt: skip
+        self._locator = Locator(
+            model,
+            optimizer,
+            precision,
+            self._state,
+            self._runner,
+            self._reader,
+            self._channel,
+            self._device,
+        )
         self._keeper = SnapshotKeeper(self._response, self._emit)
-        self._actor = Actor(optimizer, scheduler, self._scaler, self._state, self._reader,
-                            self._clipper, self._spike_watch, self._keeper, self._emit,
-                            self._response, self._stateful)  # fmt: skip
+        self._actor = Actor(
+            optimizer,
+            scheduler,
+            self._scaler,
+            self._state,
+            self._reader,
+            self._clipper,
+            self._spike_watch,
+            self._keeper,
+            self._emit,
+            self._response,
+            self._stateful,
+        )
         self._judge = Judge(
             self._response,
             watch,
@@ -276,8 +297,9 @@ class Guard:
             self._channel.announce_failure(self.step_count, e)
             raise
 
-    def _step(self, closure: Closure | Sequence[Closure] | None,
-              replay: Sequence[Closure] | None) -> StepResult:  # fmt: skip
+    def _step(
+        self, closure: Closure | Sequence[Closure] | None, replay: Sequence[Closure] | None
+    ) -> StepResult:
         closures = as_closures(closure)
         self._channel.raise_if_failed()
         step = self.step_count
@@ -299,9 +321,13 @@ class Guard:
             state_tensors, magnitudes = self._locator.magnitudes() if due else ([], None)
             read = self._reader.read(step, self._runner.mean_loss(), magnitudes)  # one read
             verdict = self._judge.judge(
-                step, read, closures, (state_tensors, list(read.extra)), self._ladder,
+                step,
+                read,
+                closures,
+                (state_tensors, list(read.extra)),
+                self._ladder,
                 self._previous_applied,
-            )  # fmt: skip
+            )
             return self._act(step, read, verdict)
         except BaseException:
             if not self._actor.applying:  # the step did not happen: as if it had not begun
@@ -354,102 +380,6 @@ class Guard:
         if self._monitor is not None:
             self._monitor.next_step()
         self._state.save()
-
-    # -------------------------------------------------------- persistence
-    def _stateful(self) -> dict[str, Any]:
-        return stateful_objects(
-            self._model, self._optimizer, self._scaler, self._scheduler,
-            self.zclip, self.loss_detector, self.norm_detector,
-        )  # fmt: skip
-
-    def _snapshot_now(
-        self, step: int, amax: dict[str, float] | None = None,
-        state: policy.LadderState | None = None,
-    ) -> policy.LadderState:  # fmt: skip
-        """Snapshot the state before step ``step`` is applied (vetted: at construction
-        here, on a snapshot step by :meth:`_decide`)."""
-        if amax is None:
-            vetting = self._judge.vet(step, self._previous_applied)
-            if vetting.bad is not None:
-                self._emit.warning(step, f"no snapshot taken: {vetting.bad}", 0)
-                return state or self._ladder
-            amax = vetting.amax
-        ladder = policy.snapshot_taken(state or self._ladder)
-        meta = {**ladder.to_meta(), "step_rng": dict(self._state.rng)}
-        self._keeper.take(step, self._stateful(), meta, amax)
-        self._ladder = ladder
-        return ladder
-
-    def resume(self, path: str | os.PathLike[str] | None = None) -> int:
-        """Continue a run from its newest good snapshot on disk; returns the step to run next.
-
-        ``path``: a snapshot file, or a folder of them (default: the policy's
-        ``snapshot_dir``). In a folder, a newest snapshot that fails to verify is
-        skipped for the one before it (a ``snapshot_fallback`` event each). Model,
-        optimizer, scaler, scheduler, clipper, detectors, the guard's counters and the
-        torch RNG (as at the start of that step) are restored; a ``resume`` event marks
-        where the event stream picks up. Feed the data from the returned step on.
-        """
-        snap, used = self._keeper.load(path, self._device, set(self._stateful()))
-        snap.restore(self._stateful())
-        self._load_counters(snap.meta)
-        self.step_count = snap.step
-        self._keeper.adopt(snap)
-        self._previous_applied = False
-        self._state.save()
-        self._emit.resume(snap.step, str(used))
-        return snap.step
-
-    def _load_counters(self, meta: dict[str, Any]) -> None:
-        self._ladder = policy.LadderState.from_meta(meta)
-        self._keeper.taken = int(meta.get("snapshots", 0))
-        if meta.get("step_rng"):
-            set_rng_state(meta["step_rng"])
-
-    def skip_external(
-        self, reason: Cause = "overflow", *, scale_before: float | None = None,
-        scale_after: float | None = None,
-    ) -> StepResult:  # fmt: skip
-        """Record a step the training framework skipped on its own (an fp16 GradScaler
-        that found an inf and did not call the optimizer): the losses recorded for it
-        are dropped, the buffers restored, the step counted, and an ``overflow`` event
-        (when the scales are given) and a ``step`` event written. One host read."""
-        if reason not in CAUSES:
-            raise ValueError(f"skip_external(reason={reason!r}); use one of {CAUSES}")
-        step = self.step_count
-        self.step_count += 1
-        loss = float(self._runner.mean_loss()) if self._runner.losses else math.nan
-        self._discard()
-        self._state.save()
-        self._previous_applied = False
-        if scale_before is not None and scale_after is not None:
-            self._emit.overflow(step, scale_before, scale_after)
-        scale = scale_after if scale_after is not None else self._scaler.get_scale()
-        result = StepResult(step, "skipped", reason, loss, math.nan, scale, 1.0,
-                            self._ladder.lr_factor)  # fmt: skip
-        self._emit.step(result)
-        return result
-
-    def state_dict(self) -> dict[str, Any]:
-        """The guard's own state, for a framework's checkpoint (Lightning keeps a
-        callback's): step counter, counters, loss scaler, clipper and spike detectors.
-        Not the model, optimizer or scheduler (the framework saves those)."""
-        counters = {**self._ladder.to_meta(), "snapshots": self._keeper.taken}
-        return guard_state_dict(self.step_count, counters, self._own_parts())
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (a guard configured the same way)."""
-        step_count, counters = load_guard_state_dict(sd, self._own_parts())
-        self.step_count = step_count
-        self._load_counters(counters)
-
-    def _own_parts(self) -> dict[str, Any]:
-        return {
-            "scaler": self._scaler,
-            "zclip": self.zclip,
-            "loss_detector": self.loss_detector,
-            "norm_detector": self.norm_detector,
-        }
 
     def close(self) -> None:
         """Detach the monitors (watch="hooks", stats_every) and close the event log."""

@@ -1,18 +1,175 @@
-"""What the guard saves: the objects a snapshot holds, and the guard's own framework state dict."""
+"""What the guard saves and restores: snapshots, resume, its framework state dict, skipped steps."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import os
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["guard_state_dict", "load_guard_state_dict", "stateful_objects"]
+import torch
+
+from floatguard.causes import CAUSES, Cause
+from floatguard.guard import policy
+from floatguard.guard.types import StepResult
+from floatguard.stability.step_state import set_rng_state
+
+if TYPE_CHECKING:
+    from floatguard.guard.emit import GuardEvents
+    from floatguard.guard.judge import Judge
+    from floatguard.guard.keeper import SnapshotKeeper
+    from floatguard.guard.run import StepRunner
+    from floatguard.scaling.loss_scale import DynamicLossScaler
+    from floatguard.stability.step_state import StepState
+
+__all__ = ["GuardPersistence", "guard_state_dict", "load_guard_state_dict", "stateful_objects"]
 
 _OPTIONAL = ("zclip", "loss_detector", "norm_detector")
 
 
+class GuardPersistence:
+    """The guard's persistence methods (a part of :class:`~floatguard.guard.Guard`,
+    kept apart so the façade reads as the step): the vetted snapshot of construction
+    and of snapshot steps, ``resume`` from disk, ``state_dict`` / ``load_state_dict``
+    for a framework's checkpoint, and ``skip_external`` for a step the framework
+    skipped itself. The attributes below are the guard's own."""
+
+    step_count: int
+    _ladder: policy.LadderState
+    _previous_applied: bool
+    _model: torch.nn.Module
+    _optimizer: torch.optim.Optimizer
+    _scheduler: Any
+    _scaler: DynamicLossScaler
+    _device: torch.device
+    _keeper: SnapshotKeeper
+    _judge: Judge
+    _emit: GuardEvents
+    _state: StepState
+    _runner: StepRunner
+
+    zclip: Any
+    loss_detector: Any
+    norm_detector: Any
+
+    def _discard(self) -> None:
+        raise NotImplementedError
+
+    def _stateful(self) -> dict[str, Any]:
+        return stateful_objects(
+            self._model,
+            self._optimizer,
+            self._scaler,
+            self._scheduler,
+            self.zclip,
+            self.loss_detector,
+            self.norm_detector,
+        )
+
+    def _snapshot_now(
+        self,
+        step: int,
+        amax: dict[str, float] | None = None,
+        state: policy.LadderState | None = None,
+    ) -> policy.LadderState:
+        """Snapshot the state before step ``step`` is applied (vetted: at construction
+        here, on a snapshot step by :meth:`_decide`)."""
+        if amax is None:
+            vetting = self._judge.vet(step, self._previous_applied)
+            if vetting.bad is not None:
+                self._emit.warning(step, f"no snapshot taken: {vetting.bad}", 0)
+                return state or self._ladder
+            amax = vetting.amax
+        ladder = policy.snapshot_taken(state or self._ladder)
+        meta = {**ladder.to_meta(), "step_rng": dict(self._state.rng)}
+        self._keeper.take(step, self._stateful(), meta, amax)
+        self._ladder = ladder
+        return ladder
+
+    def resume(self, path: str | os.PathLike[str] | None = None) -> int:
+        """Continue a run from its newest good snapshot on disk; returns the step to run next.
+
+        ``path``: a snapshot file, or a folder of them (default: the policy's
+        ``snapshot_dir``). In a folder, a newest snapshot that fails to verify is
+        skipped for the one before it (a ``snapshot_fallback`` event each). Model,
+        optimizer, scaler, scheduler, clipper, detectors, the guard's counters and the
+        torch RNG (as at the start of that step) are restored; a ``resume`` event marks
+        where the event stream picks up. Feed the data from the returned step on.
+        """
+        snap, used = self._keeper.load(path, self._device, set(self._stateful()))
+        snap.restore(self._stateful())
+        self._load_counters(snap.meta)
+        self.step_count = snap.step
+        self._keeper.adopt(snap)
+        self._previous_applied = False
+        self._state.save()
+        self._emit.resume(snap.step, str(used))
+        return snap.step
+
+    def _load_counters(self, meta: dict[str, Any]) -> None:
+        self._ladder = policy.LadderState.from_meta(meta)
+        self._keeper.taken = int(meta.get("snapshots", 0))
+        if meta.get("step_rng"):
+            set_rng_state(meta["step_rng"])
+
+    def skip_external(
+        self,
+        reason: Cause = "overflow",
+        *,
+        scale_before: float | None = None,
+        scale_after: float | None = None,
+    ) -> StepResult:
+        """Record a step the training framework skipped on its own (an fp16 GradScaler
+        that found an inf and did not call the optimizer): the losses recorded for it
+        are dropped, the buffers restored, the step counted, and an ``overflow`` event
+        (when the scales are given) and a ``step`` event written. One host read."""
+        if reason not in CAUSES:
+            raise ValueError(f"skip_external(reason={reason!r}); use one of {CAUSES}")
+        step = self.step_count
+        self.step_count += 1
+        loss = float(self._runner.mean_loss()) if self._runner.losses else math.nan
+        self._discard()
+        self._state.save()
+        self._previous_applied = False
+        if scale_before is not None and scale_after is not None:
+            self._emit.overflow(step, scale_before, scale_after)
+        scale = scale_after if scale_after is not None else self._scaler.get_scale()
+        result = StepResult(
+            step, "skipped", reason, loss, math.nan, scale, 1.0, self._ladder.lr_factor
+        )
+        self._emit.step(result)
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state, for a framework's checkpoint (Lightning keeps a
+        callback's): step counter, counters, loss scaler, clipper and spike detectors.
+        Not the model, optimizer or scheduler (the framework saves those)."""
+        counters = {**self._ladder.to_meta(), "snapshots": self._keeper.taken}
+        return guard_state_dict(self.step_count, counters, self._own_parts())
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a guard configured the same way)."""
+        step_count, counters = load_guard_state_dict(sd, self._own_parts())
+        self.step_count = step_count
+        self._load_counters(counters)
+
+    def _own_parts(self) -> dict[str, Any]:
+        return {
+            "scaler": self._scaler,
+            "zclip": self.zclip,
+            "loss_detector": self.loss_detector,
+            "norm_detector": self.norm_detector,
+        }
+
+
 def stateful_objects(
-    model: Any, optimizer: Any, scaler: Any, scheduler: Any, zclip: Any,
-    loss_detector: Any, norm_detector: Any,
-) -> dict[str, Any]:  # fmt: skip
+    model: Any,
+    optimizer: Any,
+    scaler: Any,
+    scheduler: Any,
+    zclip: Any,
+    loss_detector: Any,
+    norm_detector: Any,
+) -> dict[str, Any]:
     """Everything a snapshot captures and a rollback restores, by the names snapshot
     files have always used (the optional ones only when configured)."""
     objs: dict[str, Any] = {"model": model, "optimizer": optimizer, "scaler": scaler}

@@ -257,9 +257,13 @@ def _rollback(
     restore = cause in ("nonfinite_param", "nonfinite_optimizer_state", "optimizer_update")
     if state.rollback_streak > policy.max_rollbacks:
         return _stop(
-            state, cause, "max_rollbacks", fault, restore=restore,
+            state,
+            cause,
+            "max_rollbacks",
+            fault,
+            restore=restore,
             max_rollbacks=policy.max_rollbacks,
-        )  # fmt: skip
+        )
     if not evidence.has_clean_snapshot:
         return _stop(state, cause, "no_clean_snapshot", fault)
     state = dataclasses.replace(
