@@ -173,3 +173,12 @@ def test_fp16_divergence_after_overflows() -> None:
     assert "fp16_divergence" in [f.rule for f in diagnose(evs)]
     fp32 = steps([1.0] * 40 + [math.nan] * 3)
     assert "fp16_divergence" not in [f.rule for f in diagnose(fp32)]
+
+
+def test_a_run_whose_loss_is_large_is_diagnosed() -> None:
+    events = [
+        Event("step", i, {"action": "applied", "reason": None, "loss": 1300.0 + (i % 3),
+                          "grad_norm": 1.0, "clip_coef": 1.0, "scale": 1.0, "lr_factor": 1.0})
+        for i in range(60)
+    ]  # fmt: skip
+    assert all(f.rule != "loss_stuck" for f in diagnose(events))

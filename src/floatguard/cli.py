@@ -432,7 +432,7 @@ def main() -> None:
         rc = _fail(f"{first}; see --help").exit_code
     except getattr(cx, "Abort", KeyboardInterrupt):
         rc = _fail("aborted").exit_code
-    except (typer.Exit, cx.Exit) as e:
+    except (typer.Exit, getattr(cx, "Exit", typer.Exit)) as e:
         rc = e.exit_code
     except KeyboardInterrupt:
         rc = _fail("interrupted").exit_code

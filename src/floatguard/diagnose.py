@@ -357,7 +357,7 @@ def loss_stuck(events: list[Event]) -> list[Finding]:
         return []
     mean = statistics.fmean(losses)
     spread = statistics.pstdev(losses)
-    n = round(math.exp(mean))
+    n = round(math.exp(min(mean, 700.0)))  # (a loss past ~709 overflows exp: cap it)
     if n < 2 or spread > 0.01 * max(mean, 1e-9) or abs(mean - math.log(n)) > 0.005 * math.log(n):
         return []
     return [Finding(

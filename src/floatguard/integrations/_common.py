@@ -73,6 +73,23 @@ class GuardedLoop:
 
         setattr(obj, name, wrapped)
         self._wrapped.append((obj, name, original if had_own else None))
+        if _saves_its_dict(obj):
+            self._keep_out_of_state_dict(obj)
+
+    def _keep_out_of_state_dict(self, obj: Any) -> None:
+        """An LR scheduler's ``state_dict()`` is its ``__dict__``, where the wrapper now
+        sits: a checkpoint would pickle it (and fail, a closure cannot be pickled), so
+        the scheduler's state leaves out what the loop put there."""
+        if "state_dict" in vars(obj):
+            return
+        original = obj.state_dict
+
+        def state_dict() -> Any:
+            ours = {n for o, n, _ in self._wrapped if o is obj} | {"state_dict"}
+            return {k: v for k, v in original().items() if k not in ours}
+
+        obj.state_dict = state_dict
+        self._wrapped.append((obj, "state_dict", None))
 
     def unwrap(self) -> None:
         """Put every wrapped method back (at the end of training: a second ``train()``
@@ -117,3 +134,10 @@ class GuardedLoop:
             out["floatguard/loss"] = self.last.loss
             out["floatguard/grad_norm"] = self.last.grad_norm
         return out
+
+
+def _saves_its_dict(obj: Any) -> bool:
+    """Whether ``obj.state_dict()`` is built from its ``__dict__`` (torch's LR schedulers)."""
+    from torch.optim import lr_scheduler
+
+    return isinstance(obj, (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau))
