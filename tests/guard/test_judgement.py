@@ -316,3 +316,45 @@ def test_a_spike_that_does_not_reproduce_is_transient_and_one_that_does_is_the_b
     assert [(e.step, e["reproduced"]) for e in spikes] == [(20, False), (25, True)]
     assert guard.transients == 1
     guard.close()
+
+
+# A resume through load_state_dict, weights loaded after the guard was built -----------
+def test_a_rollback_after_a_rebuild_and_load_goes_back_to_the_loaded_weights() -> None:
+    model, opt, guard = _setup()
+    _run(model, guard, _batches(12))
+    saved = (model.state_dict(), opt.state_dict(), guard.state_dict())
+    guard.close()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2, opt2, guard2 = _setup()  # the usual resume: build everything, then load
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    guard2.load_state_dict(saved[2])
+    (x, y), (x2, y2) = _batches(2, seed=9)
+    assert guard2.step(lambda: F.mse_loss(model2(x), y)).action == "applied"
+    with torch.no_grad():
+        model2.head.weight[0, 0] = math.nan
+    r = guard2.step(lambda: F.mse_loss(model2(x2), y2))
+    assert (r.action, r.reason) == ("rolled_back", "nonfinite_param")
+    # the snapshot is of the loaded weights (taken when the first step after the load
+    # began), not of the random ones the guard was built with
+    assert guard2.events.of_kind("rollback")[0]["to_step"] == 12
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    guard2.close()
+
+
+def test_an_absurd_lr_for_one_step_is_the_optimizer_update_not_a_flipped_bit() -> None:
+    model, opt, guard = _setup()
+
+    def lr(i: int) -> None:
+        for group in opt.param_groups:
+            group["lr"] = 1e30 if i == 6 else 1e-2
+
+    got = _run(model, guard, _batches(9), lr)
+    assert got[:7] == [("applied", None)] * 7
+    assert got[7] == ("rolled_back", "optimizer_update")
+    assert guard.events.of_kind("fault")[0]["op"] == "optimizer.step"
+    findings = {d.rule for d in diagnose(guard.events.events)}
+    assert "optimizer_update" in findings and "bad_parameter" not in findings
+    guard.close()

@@ -199,7 +199,10 @@ class Guard(GuardPersistence):
         self._ladder = policy.LadderState()
         self.step_count = 0
         self._previous_applied = False  # the last step's update was applied
-        self._snapshot_now(0)
+        # The first snapshot is of the state the first step starts from (taken then,
+        # vetted): weights a user loads after building the guard (a fine-tune's
+        # pretrained weights, a resume through load_state_dict) are the ones kept.
+        self._snapshot_pending = True
 
     # ------------------------------------------------------ read-only views
     model = property(lambda self: self._model)
@@ -303,6 +306,10 @@ class Guard(GuardPersistence):
         closures = as_closures(closure)
         self._channel.raise_if_failed()
         step = self.step_count
+        if self._snapshot_pending:
+            self._snapshot_pending = False
+            self._state.rng = self._state.rng_now()
+            self._snapshot_now(step)
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:

@@ -165,7 +165,13 @@ class Locator:
         rank, t, v, why = min(ranked, key=lambda r: r[0])
         kind: Literal["nan", "inf"] = "nan" if math.isnan(v) else "inf"
         if why is not None:
-            op, source = "magnitude", why
+            before = (previous_amax or {}).get(f"{t.owner}.{t.role}")
+            limit_now = (
+                IMPLAUSIBLE if before is None else min(IMPLAUSIBLE, max(FLOOR, JUMP * before))
+            )
+            # A flipped bit makes one absurd element; an update with an absurd LR, many.
+            many = after_update and int((values_of(t.tensor).abs() > limit_now).sum()) > 1
+            op, source = ("optimizer.step" if many else "magnitude"), why
         elif rank == 1 and after_update and self._update_made(t.tensor):
             op, source = "optimizer.step", None
         else:

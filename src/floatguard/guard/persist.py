@@ -36,6 +36,7 @@ class GuardPersistence:
     step_count: int
     _ladder: policy.LadderState
     _previous_applied: bool
+    _snapshot_pending: bool
     _model: torch.nn.Module
     _optimizer: torch.optim.Optimizer
     _scheduler: Any
@@ -100,6 +101,7 @@ class GuardPersistence:
         self._load_counters(snap.meta)
         self.step_count = snap.step
         self._keeper.adopt(snap)
+        self._snapshot_pending = False  # the snapshot resumed from is the one to keep
         self._previous_applied = False
         self._state.save()
         self._emit.resume(snap.step, str(used))
@@ -151,6 +153,7 @@ class GuardPersistence:
         step_count, counters = load_guard_state_dict(sd, self._own_parts())
         self.step_count = step_count
         self._load_counters(counters)
+        self._snapshot_pending = True  # of the state the next step starts from
 
     def _own_parts(self) -> dict[str, Any]:
         return {
