@@ -358,3 +358,22 @@ def test_an_absurd_lr_for_one_step_is_the_optimizer_update_not_a_flipped_bit() -
     findings = {d.rule for d in diagnose(guard.events.events)}
     assert "optimizer_update" in findings and "bad_parameter" not in findings
     guard.close()
+
+
+def test_a_minus_inf_in_the_batch_that_nothing_else_explains_is_bad_data() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    got = []
+    for i in range(6):
+        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        if i >= 3:
+            x[3, 1] = -math.inf  # not a mask: a broken feature (log(0) in preprocessing)
+        r = guard.step(lambda x=x, y=y: F.mse_loss(model(x), y))
+        got.append((r.action, r.reason))
+        if i >= 3:
+            assert r.fault is not None and (r.fault.phase, r.fault.tensor) == ("input", "input[0]")
+    assert got == [("applied", None)] * 3 + [("skipped", "nonfinite_input")] * 3
+    assert guard.lr_factor == 1.0 and guard.rollbacks == 0
+    guard.close()

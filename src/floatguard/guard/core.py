@@ -306,10 +306,11 @@ class Guard(GuardPersistence):
         closures = as_closures(closure)
         self._channel.raise_if_failed()
         step = self.step_count
-        if self._snapshot_pending:
+        initial = self._snapshot_pending
+        if initial:  # the state this step starts from, vetted by the step's own read
             self._snapshot_pending = False
             self._state.rng = self._state.rng_now()
-            self._snapshot_now(step)
+            self._keeper.take(step, self._stateful(), self._snapshot_meta(), {}, vetted=False)
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:
@@ -324,9 +325,11 @@ class Guard(GuardPersistence):
         self.step_count, self._actor.applying = step + 1, False
         try:
             # A snapshot step reads the state's magnitudes with the step, to vet them.
-            due = self._keeper.due(self._ladder.good_steps)
+            due = initial or self._keeper.due(self._ladder.good_steps)
             state_tensors, magnitudes = self._locator.magnitudes() if due else ([], None)
             read = self._reader.read(step, self._runner.mean_loss(), magnitudes)  # one read
+            if initial:
+                self._vouch_initial(step, (state_tensors, list(read.extra)))
             verdict = self._judge.judge(
                 step,
                 read,

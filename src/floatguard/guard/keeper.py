@@ -48,18 +48,33 @@ class SnapshotKeeper:
         objects: dict[str, Any],
         meta: dict[str, Any],
         amax: dict[str, float],
+        *,
+        vetted: bool = True,
     ) -> None:
         """Snapshot ``objects`` before step ``step`` is applied, in memory (copied into
-        the previous snapshot's memory) and, every ``disk_every``-th time, on disk."""
+        the previous snapshot's memory) and, every ``disk_every``-th time, on disk.
+        ``vetted=False``: the state's check comes later (:meth:`vouch` or :meth:`drop`)."""
         self.snapshot = Snapshot.capture(
             step, objects, meta={**meta, "snapshots": self.taken}, reuse=self.snapshot
         )
-        self.amax = dict(amax)
         self.taken += 1
+        if vetted:
+            self.vouch(step, amax)
+
+    def vouch(self, step: int, amax: dict[str, float]) -> None:
+        """The snapshot just taken was vetted: keep its magnitudes, write it to disk when
+        due, and say so (a ``snapshot`` event)."""
+        assert self.snapshot is not None
+        self.amax = dict(amax)
         where = "memory"
         if self.store is not None and (self.taken - 1) % self.policy.disk_every == 0:
             where = self._write(step, self.snapshot)
         self.events.snapshot(step, where)
+
+    def drop(self) -> None:
+        """Forget a snapshot that failed its vetting (never restored, never written)."""
+        self.snapshot = None
+        self.taken -= 1
 
     def _write(self, step: int, snap: Snapshot) -> str:
         """Write ``snap`` to the store; a failure is an event, then the policy acts."""

@@ -66,6 +66,21 @@ class GuardPersistence:
             self.norm_detector,
         )
 
+    def _snapshot_meta(self, state: policy.LadderState | None = None) -> dict[str, Any]:
+        ladder = state or self._ladder
+        return {**ladder.to_meta(), "step_rng": dict(self._state.rng)}
+
+    def _vouch_initial(self, step: int, magnitudes: Any) -> None:
+        """The first snapshot (taken as the first step began) vetted with the magnitudes
+        that step's read carried: kept, or dropped when the state was already bad."""
+        vetting = self._judge.vet(step, False, magnitudes)
+        if vetting.bad is not None:
+            self._keeper.drop()
+            self._emit.warning(step, f"no snapshot taken: {vetting.bad}", 0)
+        else:
+            self._keeper.vouch(step, vetting.amax)
+            self._ladder = policy.snapshot_taken(self._ladder)
+
     def _snapshot_now(
         self,
         step: int,

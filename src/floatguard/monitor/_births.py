@@ -262,7 +262,8 @@ def _param_grad_hooks(
 def _forward_birth(ctx: _Context, births: _Births, k: int) -> ReplayResult | None:
     """The birth in forward pass ``k`` taken alone: NaN/+inf in the model's inputs, data
     given to the step that held NaN/+inf before anything was born, the first candidate
-    that is not ``-inf`` only, the first candidate; None if it has none."""
+    that is not ``-inf`` only, the first candidate, a ``-inf`` in the model's inputs
+    when nothing else was born; None if it has none."""
     for c in ctx.early:
         if c.forward_pass == k:
             return c.result
@@ -276,7 +277,12 @@ def _forward_birth(ctx: _Context, births: _Births, k: int) -> ReplayResult | Non
     strong = [c for _, c in fwd if not c.ninf_only]
     if strong:
         return strong[0].result
-    return fwd[0][1].result if fwd else None
+    if fwd:
+        return fwd[0][1].result
+    # Nothing was born in this pass, yet its loss went bad: the -inf the model was given
+    # (taken as a mask while anything else could explain the harm) is the data's fault.
+    ninf = ctx.ninf_inputs.get(k)
+    return ninf.result if ninf is not None else None
 
 
 def _choose(
@@ -307,7 +313,9 @@ def _choose(
     elif ctx.early:
         return ctx.early[0].result
     if not cands:
-        return None
+        # Nothing was born anywhere: a -inf the model was given is the data's fault.
+        ninf = [ctx.ninf_inputs[k] for k in sorted(ctx.ninf_inputs)]
+        return ninf[0].result if ninf else None
     pool = [c for c in cands if c.backward != forward_harm] or cands
     strong = [c for c in pool if not c.ninf_only]
     return (strong or pool)[0].result

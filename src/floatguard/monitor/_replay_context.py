@@ -50,6 +50,9 @@ class _Context:
         self.done = False  # the model has returned in this forward pass
         self.early: list[_Candidate] = []  # parameter and input births, found in pre-hooks
         self.notes: list[str] = []
+        # per pass: the first model input holding -inf (an intended mask, unless nothing
+        # else explains a bad loss: then it is the data's, see _births._forward_birth)
+        self.ninf_inputs: dict[int, _Candidate] = {}
         self.known: set[int] = set()  # storages of the model's parameters and buffers
         # Forward passes (micro-batches): one begins with the step and after each backward.
         self.forward_pass = 0
@@ -179,6 +182,21 @@ class _Context:
                 return
             if sev == 1:
                 self.notes.append(f"input[{i}] holds -inf (taken as an intended mask)")
+                if self.forward_pass not in self.ninf_inputs:
+                    res = ReplayResult(
+                        op="input",
+                        phase="input",
+                        kind="inf",
+                        source=None,
+                        inputs=[],
+                        outputs=[tensor_stats(values_of(x))],
+                        deterministic=None,
+                        module="",
+                        tensor=f"input[{i}]",
+                        shape=tuple(x.shape),
+                    )
+                    cand = _Candidate(res, False, True, forward_pass=self.forward_pass)
+                    self.ninf_inputs[self.forward_pass] = cand
             i += 1
 
 
