@@ -75,23 +75,25 @@ class Judge:
         """The evidence, then the decision; a step to be applied on a snapshot step has
         its state vetted first (``magnitudes`` came with the step's read)."""
         clip = self.clipper.coefficient(read.grad_norm)
-        evidence = policy.Evidence(
-            finite_loss=read.finite_loss,
-            overflow=read.gradient_overflow,
-            scale_can_back_off=self.scaler.enabled
-            and self.scaler.get_scale() > self.scaler.min_scale,
-            has_clean_snapshot=self.keeper.snapshot is not None,
-        )
+        finite_loss, overflow = read.finite_loss, read.gradient_overflow
+        can_back_off = self.scaler.enabled and self.scaler.get_scale() > self.scaler.min_scale
         fault, spike, value, reproduced = None, None, math.nan, None
-        if not evidence.finite and not (evidence.finite_loss and evidence.scale_can_back_off):
+        if (not finite_loss or overflow) and not (finite_loss and can_back_off):
             fault = self.localize(step, read, closures, after_update)
-        elif evidence.finite:
+        elif finite_loss and not overflow:
             spike = self.spike_watch.check(read.loss, read.grad_norm)
             if spike is not None:
                 value = read.loss if spike == "loss_spike" else read.grad_norm
                 reproduced = self._spike_reproduces(spike, closures)
-                evidence = dataclasses.replace(evidence, spike=spike, spike_reproduced=reproduced)
-        evidence = dataclasses.replace(evidence, fault=fault)
+        evidence = policy.Evidence(
+            finite_loss=finite_loss,
+            overflow=overflow,
+            scale_can_back_off=can_back_off,
+            fault=fault,
+            spike=spike,
+            spike_reproduced=reproduced,
+            has_clean_snapshot=self.keeper.snapshot is not None,
+        )
         decision = policy.decide(evidence, ladder, self.response)
         amax = None
         if decision.response == "apply" and self.keeper.due(ladder.good_steps):

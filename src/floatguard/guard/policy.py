@@ -293,6 +293,8 @@ def _transient(state: LadderState, policy: ResponsePolicy, cause: Cause) -> Deci
 
 
 def _input_seen(state: LadderState, policy: ResponsePolicy, bad: bool) -> LadderState:
+    if not bad and state.input_streak == 0 and True not in state.input_recent:
+        return state  # no bad batch in the window: nothing to slide (and no copy per step)
     recent = (*state.input_recent, bad)[-policy.bad_data_window :]
     return dataclasses.replace(
         state, input_streak=state.input_streak + 1 if bad else 0, input_recent=recent
