@@ -62,6 +62,14 @@ class Vetting:
     bad: Fault | None
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a strided real tensor (:func:`values_of`), skipping its calls
+    for the common case: a plain strided real tensor is its own values."""
+    if t.layout == torch.strided and not t.is_complex() and type(t) in (torch.Tensor, nn.Parameter):
+        return t.detach()
+    return values_of(t)
+
+
 def named_root(model: nn.Module) -> nn.Module:
     """The module whose names faults use: a compiled model (torch.compile's wrapper)
     and a DistributedDataParallel model are named by the module they wrap."""
@@ -95,13 +103,19 @@ class Locator:
         self.reader = reader
         self.channel = channel
         self.device = device
+        self._named: list[tuple[str, str, torch.Tensor]] | None = None
 
     # -------------------------------------------------- parameters, state
     def state_tensors(self) -> list[StateTensor]:
+        if self._named is None:  # the model's parameter names, found once
+            self._named = []
+            for name, param in named_root(self.model).named_parameters():
+                owner, _, pname = name.rpartition(".")
+                self._named.append((owner, pname, param))
         out: list[StateTensor] = []
-        for name, p in named_root(self.model).named_parameters():
-            owner, _, pname = name.rpartition(".")
-            for key, v in self.optimizer.state.get(p, {}).items():
+        state = self.optimizer.state
+        for owner, pname, p in self._named:
+            for key, v in state.get(p, {}).items():
                 if (
                     key != "step"
                     and isinstance(v, torch.Tensor)
@@ -114,18 +128,21 @@ class Locator:
 
     def magnitudes(self) -> tuple[list[StateTensor], torch.Tensor | None]:
         """Every state tensor and its largest magnitude, stacked on device (float64, NaN
-        for a tensor holding a NaN; no sync): for the reader to read with the step."""
+        for a tensor holding a NaN: the inf-norm propagates it; no sync): for the reader
+        to read with the step. One foreach op over all of them."""
         tensors = self.state_tensors()
         if not tensors:
             return tensors, None
-        amaxes = []
-        for t in tensors:
-            v = values_of(t.tensor)
-            amaxes.append(
-                v.abs().amax().double().to(self.device)
-                if v.numel()
-                else torch.zeros((), dtype=torch.float64, device=self.device)
-            )
+        values = [_plain(t.tensor) for t in tensors]
+        if all(v.numel() for v in values):
+            norms = torch._foreach_norm(values, math.inf)
+            if len({(n.dtype, n.device) for n in norms}) == 1:  # the common case: one op
+                return tensors, torch.stack(norms).to(self.device, torch.float64)
+            return tensors, torch.stack([n.to(self.device, torch.float64) for n in norms])
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        nonempty = [v for v in values if v.numel()]
+        it = iter(torch._foreach_norm(nonempty, math.inf) if nonempty else [])
+        amaxes = [next(it).to(self.device, torch.float64) if v.numel() else zero for v in values]
         return tensors, torch.stack(amaxes)
 
     def vet(
