@@ -377,3 +377,20 @@ def test_a_minus_inf_in_the_batch_that_nothing_else_explains_is_bad_data() -> No
     assert got == [("applied", None)] * 3 + [("skipped", "nonfinite_input")] * 3
     assert guard.lr_factor == 1.0 and guard.rollbacks == 0
     guard.close()
+
+
+def test_a_first_step_that_raises_leaves_no_unvetted_snapshot() -> None:
+    model, _, guard = _setup()
+    (x, y), *_ = _batches(1)
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("the data loader failed")
+
+    with pytest.raises(RuntimeError, match="data loader"):
+        guard.step(broken)
+    assert guard.last_snapshot is None and not guard.events.of_kind("snapshot")
+    assert guard.step(lambda: F.mse_loss(model(x), y)).action == "applied"
+    snap = guard.last_snapshot
+    assert snap is not None and snap.step == 0
+    assert [e.step for e in guard.events.of_kind("snapshot")] == [0]
+    guard.close()

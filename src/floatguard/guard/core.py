@@ -317,6 +317,7 @@ class Guard(GuardPersistence):
                 self._runner.run(closures, before_last_backward=self._channel.arm_for(step))
             except BaseException:
                 self._discard()  # the closure failed: the step did not happen
+                self._unvouched(initial)
                 raise
         elif not self._runner.losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
@@ -330,6 +331,7 @@ class Guard(GuardPersistence):
             read = self._reader.read(step, self._runner.mean_loss(), magnitudes)  # one read
             if initial:
                 self._vouch_initial(step, (state_tensors, list(read.extra)))
+                initial = False
             verdict = self._judge.judge(
                 step,
                 read,
@@ -343,7 +345,15 @@ class Guard(GuardPersistence):
             if not self._actor.applying:  # the step did not happen: as if it had not begun
                 self.step_count = step
                 self._discard()
+                self._unvouched(initial)
             raise
+
+    def _unvouched(self, initial: bool) -> None:
+        """A first step that failed before its read vetted the first snapshot: forget
+        that snapshot; the next step takes it again."""
+        if initial:
+            self._keeper.drop()
+            self._snapshot_pending = True
 
     # ----------------------------------------------------------------- act
     def _act(self, step: int, read: StepRead, verdict: Verdict) -> StepResult:
