@@ -135,22 +135,7 @@ class _Context:
         for name, p in model.named_parameters():
             if (p.is_floating_point() or p.is_complex()) and _severity(values_of(p)):
                 owner, _, pname = name.rpartition(".")
-                kind: Literal["nan", "inf"] = (
-                    "nan" if bool(torch.isnan(values_of(p)).any()) else "inf"
-                )
-                st = tensor_stats(values_of(p))
-                res = ReplayResult(
-                    op="parameter",
-                    phase="param",
-                    kind=kind,
-                    source=None,
-                    inputs=[],
-                    outputs=[st],
-                    deterministic=None,
-                    module=owner,
-                    tensor=f"param:{pname}",
-                    shape=tuple(p.shape),
-                )
+                res = _already_there(p, op="parameter", module=owner, tensor=f"param:{pname}")
                 self.early.append(_Candidate(res, False, False))
                 return
 
@@ -162,39 +147,13 @@ class _Context:
                 continue
             sev = _severity(values_of(x))
             if sev == 2:
-                kind: Literal["nan", "inf"] = (
-                    "nan" if bool(torch.isnan(values_of(x)).any()) else "inf"
-                )
-                st = tensor_stats(values_of(x))
-                res = ReplayResult(
-                    op="input",
-                    phase="input",
-                    kind=kind,
-                    source=None,
-                    inputs=[],
-                    outputs=[st],
-                    deterministic=None,
-                    module="",
-                    tensor=f"input[{i}]",
-                    shape=tuple(x.shape),
-                )
+                res = _already_there(x, op="input", module="", tensor=f"input[{i}]")
                 self.early.append(_Candidate(res, False, False, forward_pass=self.forward_pass))
                 return
             if sev == 1:
                 self.notes.append(f"input[{i}] holds -inf (taken as an intended mask)")
                 if self.forward_pass not in self.ninf_inputs:
-                    res = ReplayResult(
-                        op="input",
-                        phase="input",
-                        kind="inf",
-                        source=None,
-                        inputs=[],
-                        outputs=[tensor_stats(values_of(x))],
-                        deterministic=None,
-                        module="",
-                        tensor=f"input[{i}]",
-                        shape=tuple(x.shape),
-                    )
+                    res = _already_there(x, op="input", module="", tensor=f"input[{i}]")
                     cand = _Candidate(res, False, True, forward_pass=self.forward_pass)
                     self.ninf_inputs[self.forward_pass] = cand
             i += 1
@@ -239,3 +198,23 @@ def _module_hooks(ctx: _Context) -> Iterator[None]:
         pre.remove()
         post.remove()
         ctx.remove()
+
+
+def _already_there(
+    t: torch.Tensor, *, op: Literal["parameter", "input"], module: str, tensor: str
+) -> ReplayResult:
+    """A non-finite value that was there when the model ran (a parameter, the model's
+    input): no op made it. ``kind`` "nan" when it holds a NaN, else "inf"."""
+    values = values_of(t)
+    return ReplayResult(
+        op=op,
+        phase="param" if op == "parameter" else "input",
+        kind="nan" if bool(torch.isnan(values).any()) else "inf",
+        source=None,
+        inputs=[],
+        outputs=[tensor_stats(values)],
+        deterministic=None,
+        module=module,
+        tensor=tensor,
+        shape=tuple(t.shape),
+    )
