@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -112,3 +113,49 @@ def test_without_the_kernel_the_torch_path_answers(env: dict[str, str], tmp_path
     full = {**os.environ, "FLOATGUARD_CACHE": str(tmp_path), **env}
     r = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ amax of many tensors
+def _amax_reference(t: torch.Tensor) -> float:
+    if t.numel() == 0:
+        return 0.0
+    return float(t.double().abs().max())  # NaN-propagating, like the inf-norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_amax_many_matches_torch_on_every_bit_pattern_kind(dtype: torch.dtype) -> None:
+    width = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    bits = _bits(50_000, 3)
+    if width[dtype] is torch.int16:
+        bits = (bits & 0xFFFF).to(torch.int32).sub(2**15).to(torch.int16)
+    every = bits.view(dtype)
+    finite = every[torch.isfinite(every)]
+    subnormal = torch.tensor([torch.finfo(dtype).smallest_normal / 4, 0.0, -0.0], dtype=dtype)
+    cases = [
+        every,  # holds NaNs
+        finite,
+        subnormal,
+        torch.tensor([-float("inf"), 1.0], dtype=dtype),
+        torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max], dtype=dtype),
+        torch.empty(0, dtype=dtype),
+        torch.zeros(7, dtype=dtype),
+    ]
+    out = _native.amax_many(cases)
+    assert out is not None and out.dtype == torch.float64
+    for t, got in zip(cases, out.tolist(), strict=True):
+        want = _amax_reference(t)
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (t.dtype, got, want)
+
+
+def test_amax_plan_refuses_what_it_cannot_read_and_sees_replaced_memory() -> None:
+    assert _native.AmaxPlan.build([torch.ones(4, dtype=torch.float64)]) is None
+    assert _native.AmaxPlan.build([torch.ones(4, 4).t()]) is None  # not contiguous
+    assert _native.AmaxPlan.build([]) is None
+    p = torch.nn.Parameter(torch.ones(3))
+    plan = _native.AmaxPlan.build([p])
+    assert plan is not None and plan.valid() and plan.run().tolist() == [1.0]
+    p.data = torch.full((3,), -5.0)  # new memory: the plan must be rebuilt
+    assert not plan.valid()
+    with torch.no_grad():
+        p.data[1] = float("nan")  # written in place: the plan reads it
+    assert math.isnan(_native.AmaxPlan.build([p]).run()[0])  # type: ignore[union-attr]

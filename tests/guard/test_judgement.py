@@ -83,6 +83,38 @@ def test_a_nan_moment_just_before_a_snapshot_is_never_captured() -> None:
     guard.close()
 
 
+@pytest.mark.parametrize("how", ["moment replaced", "state reloaded", "weight .data replaced"])
+def test_state_replaced_between_snapshots_is_the_state_vetted(how: str) -> None:
+    """The vetting's list of state tensors (and, on CPU, its native plan) is kept between
+    snapshot steps: a tensor replaced meanwhile must be the one read."""
+    model, opt, guard = _setup()
+
+    def poison(i: int) -> None:
+        if i != 10:  # a snapshot step: the state it would capture is vetted first
+            return
+        if how == "moment replaced":
+            bad = opt.state[model.fc.weight]["exp_avg_sq"].clone()
+            bad[0, 0] = math.nan
+            opt.state[model.fc.weight]["exp_avg_sq"] = bad
+        elif how == "state reloaded":
+            sd = opt.state_dict()
+            sd["state"][0]["exp_avg_sq"] = sd["state"][0]["exp_avg_sq"].clone()
+            sd["state"][0]["exp_avg_sq"][0, 0] = math.nan
+            opt.load_state_dict(sd)
+        else:
+            bad = model.fc.weight.detach().clone()
+            bad[0, 0] = math.inf
+            model.fc.weight.data = bad
+
+    got = _run(model, guard, _batches(12), poison)
+    assert got[:10] == [("applied", None)] * 10
+    want = "nonfinite_param" if how == "weight .data replaced" else "nonfinite_optimizer_state"
+    assert got[10] == ("rolled_back", want)
+    assert got[11] == ("applied", None)
+    assert _finite(model, opt)
+    guard.close()
+
+
 def test_a_nan_moment_between_snapshots_is_named_before_the_weight_it_poisoned() -> None:
     model, opt, guard = _setup()
 

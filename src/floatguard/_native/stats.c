@@ -11,6 +11,11 @@
  * extremes (double[6]) over the finite values: amax (0 when none), smallest non-zero
  *   |x| (inf when none), min (inf when none), max (-inf when none); then what
  *   torch.aminmax would give (NaN if any NaN, else -inf / +inf if any, else min / max).
+ *
+ * fg_amax_many: the largest magnitude of each of many tensors in one call (what a
+ * snapshot step vets), NaN for a tensor holding a NaN, 0 for an empty one. The max of
+ * |bits| orders like |x|, and every NaN pattern is above inf's, so one integer max
+ * per tensor decides both.
  */
 #include <math.h>
 #include <stdint.h>
@@ -152,7 +157,7 @@ static void run(const void *data, int64_t n, int bf16, int nthreads, int64_t *ou
     ext[5] = gnan ? NAN : (gpinf ? INFINITY : ext[3]);
 }
 
-int fg_abi_version(void) { return 2; }
+int fg_abi_version(void) { return 3; }
 
 void fg_stats_f32(const void *data, int64_t n, int nthreads, int64_t *out, double *ext) {
     run(data, n, 0, nthreads, out, ext);
@@ -160,4 +165,34 @@ void fg_stats_f32(const void *data, int64_t n, int nthreads, int64_t *out, doubl
 
 void fg_stats_bf16(const void *data, int64_t n, int nthreads, int64_t *out, double *ext) {
     run(data, n, 1, nthreads, out, ext);
+}
+
+/* kinds: 0 float32, 1 bfloat16, 2 float16 (contiguous memory of n elements each). */
+void fg_amax_many(const void *const *data, const int64_t *n, const int *kind, int64_t count,
+                  double *out) {
+    for (int64_t t = 0; t < count; t++) {
+        int64_t m = n[t];
+        if (kind[t] == 0) {
+            const uint32_t *u = (const uint32_t *)data[t];
+            uint32_t mx = 0;
+            for (int64_t i = 0; i < m; i++) {
+                uint32_t a = u[i] & 0x7fffffffu;
+                mx = a > mx ? a : mx;
+            }
+            out[t] = mx > 0x7f800000u ? NAN : as_float(mx);
+        } else {
+            const uint16_t *h = (const uint16_t *)data[t];
+            uint16_t mx = 0;
+            for (int64_t i = 0; i < m; i++) {
+                uint16_t a = h[i] & 0x7fffu;
+                mx = a > mx ? a : mx;
+            }
+            if (kind[t] == 1) {
+                out[t] = mx > 0x7f80u ? NAN : as_float((uint32_t)mx << 16);
+            } else {
+                uint32_t e = mx >> 10, f = mx & 0x3ffu;
+                out[t] = e == 31 ? (f ? NAN : INFINITY) : ldexp(e ? (double)(f | 0x400u) : (double)f, (e ? (int)e : 1) - 25);
+            }
+        }
+    }
 }

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from floatguard import _native
 from floatguard._values import local_part, values_of
 from floatguard.guard.channel import ReadChannel
 from floatguard.guard.read import StepRead, StepReader
@@ -104,18 +105,35 @@ class Locator:
         self.channel = channel
         self.device = device
         self._named: list[tuple[str, str, torch.Tensor]] | None = None
+        # state_tensors' list, and what it was built from (to see a change cheaply)
+        self._listed: (
+            tuple[
+                list[StateTensor],
+                list[tuple[torch.Tensor, object, int, list[tuple[object, object]]]],
+            ]
+            | None
+        ) = None
+        self._plan: _native.AmaxPlan | None = None
 
     # -------------------------------------------------- parameters, state
     def state_tensors(self) -> list[StateTensor]:
+        """Every parameter and floating optimizer-state tensor, each parameter after its
+        state, in model order (the list is rebuilt only when the optimizer's state
+        changed: an entry added, removed or replaced)."""
         if self._named is None:  # the model's parameter names, found once
             self._named = []
             for name, param in named_root(self.model).named_parameters():
                 owner, _, pname = name.rpartition(".")
                 self._named.append((owner, pname, param))
-        out: list[StateTensor] = []
         state = self.optimizer.state
+        if self._listed is not None and self._unchanged(state):
+            return self._listed[0]
+        out: list[StateTensor] = []
+        seen: list[tuple[torch.Tensor, object, int, list[tuple[object, object]]]] = []
         for owner, pname, p in self._named:
-            for key, v in state.get(p, {}).items():
+            entry = state.get(p, {})
+            keyed: list[tuple[object, object]] = []
+            for key, v in entry.items():
                 if (
                     key != "step"
                     and isinstance(v, torch.Tensor)
@@ -123,16 +141,42 @@ class Locator:
                     and v.numel() > 0
                 ):
                     out.append(StateTensor(owner, f"optimizer:{pname}.{key}", local_part(v)))
+                keyed.append((key, v))
+            seen.append((p, entry, len(entry), keyed))
             out.append(StateTensor(owner, f"param:{pname}", local_part(p)))
+        self._listed = (out, seen)
+        self._plan = None
         return out
+
+    def _unchanged(self, state: dict[torch.Tensor, dict[object, object]]) -> bool:
+        assert self._listed is not None
+        for p, entry, size, keyed in self._listed[1]:
+            now = state.get(p)
+            if now is None:  # no state (still, or removed: then it had none to vet)
+                if size:
+                    return False
+                continue
+            if now is not entry or len(now) != size:
+                return False
+            for k, v in keyed:
+                if now.get(k) is not v:
+                    return False
+        return True
 
     def magnitudes(self) -> tuple[list[StateTensor], torch.Tensor | None]:
         """Every state tensor and its largest magnitude, stacked on device (float64, NaN
         for a tensor holding a NaN: the inf-norm propagates it; no sync): for the reader
-        to read with the step. One foreach op over all of them."""
+        to read with the step. One foreach op over all of them, or on CPU one native
+        call (:func:`floatguard._native.amax_many`: per-tensor dispatch dominates a
+        small model's vetting there)."""
         tensors = self.state_tensors()
         if not tensors:
             return tensors, None
+        if self.device.type == "cpu":
+            if self._plan is None or not self._plan.valid():
+                self._plan = _native.AmaxPlan.build([t.tensor for t in tensors])
+            if self._plan is not None:
+                return tensors, self._plan.run()
         values = [_plain(t.tensor) for t in tensors]
         if all(v.numel() for v in values):
             norms = torch._foreach_norm(values, math.inf)

@@ -223,13 +223,15 @@ class RobustSpikeDetector:
         self.min_rel, self.range_rel = float(min_rel), float(range_rel)
         self.min_spread = float(min_spread)
         self.history: list[float] = []
-        self._cached: tuple[list[float], tuple[float, float, float] | None] | None = None
+        self._appended = 0  # values recorded so far: with the list's identity, the cache key
+        self._cached: tuple[tuple[int, int, int], tuple[float, float, float] | None] | None = None
 
     def _stats(self) -> tuple[float, float, float] | None:
         """``(med, spread, hi)`` of the basis (see the class), or None when the window
         cannot judge a finite value; computed once per window content (the guard asks
         :meth:`is_spike` before it records)."""
-        if self._cached is not None and self._cached[0] == self.history:
+        key = (id(self.history), len(self.history), self._appended)
+        if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
         stats: tuple[float, float, float] | None = None
         basis = [v for v in self.history if v != 0][-self.window :]
@@ -237,13 +239,15 @@ class RobustSpikeDetector:
             basis = self.history[-self.window :]
         if len(basis) >= self.warmup:
             med = statistics.median(basis)
-            mad = statistics.median(abs(v - med) for v in basis)
+            mad = statistics.median([abs(v - med) for v in basis])
             # The rises the stream came back from: the values before its latest return
             # to the median (at least half the basis is at or below it, so there is one).
-            back = max(i for i, v in enumerate(basis) if v <= med)
+            back = len(basis) - 1
+            while basis[back] > med:
+                back -= 1
             hi = max([med, *basis[:back]])
             stats = (med, max(1.4826 * mad, self.min_spread), hi)
-        self._cached = (list(self.history), stats)
+        self._cached = (key, stats)
         return stats
 
     def threshold(self) -> float:
@@ -290,9 +294,10 @@ class RobustSpikeDetector:
         spike = self.is_spike(value)
         if not spike:
             self.history.append(value)
+            self._appended += 1
             # Keep the last `window` nonzero values and the zeros among them, at most
             # 4 * window entries in all.
-            nonzero = sum(v != 0 for v in self.history)
+            nonzero = len(self.history) - self.history.count(0.0)  # (-0.0 == 0.0)
             drop = 0
             while nonzero > self.window or len(self.history) - drop > 4 * self.window:
                 nonzero -= self.history[drop] != 0
@@ -305,3 +310,4 @@ class RobustSpikeDetector:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.history = [float(v) for v in sd["history"]]
+        self._appended += 1  # a new window (its list may reuse the old one's id)
