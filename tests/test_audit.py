@@ -134,3 +134,33 @@ def test_audit_sees_forward_overflow_conv1d_and_hf_outputs() -> None:
     assert all("e+" not in r for la in report.layers for r in la.recommendation)  # no 1e+02%
     logits_only = [{"input_ids": torch.randn(4, 16)}]  # no labels: the mean of .logits
     assert audit(model, logits_only).layers
+
+
+def test_loss_fn_is_called_with_the_model_and_one_batch() -> None:
+    """audit's convention: loss_fn(model, batch) -> loss, with each element of batches as
+    given; a criterion(output, target) is refused with the wrapper to use."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    batches = [(torch.randn(6, 4), torch.randn(6, 1)) for _ in range(2)]
+    seen: list[tuple[nn.Module, object]] = []
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seen.append((m, batch))
+        x, y = batch
+        return nn.functional.mse_loss(m(x), y)
+
+    assert audit(model, batches, loss_fn=loss_fn).layers
+    assert [m for m, _ in seen] == [model, model]
+    assert all(b is given for (_, b), given in zip(seen, batches, strict=True))
+    criterion = nn.MSELoss()
+    wrapped = audit(model, batches, loss_fn=lambda m, b: criterion(m(b[0]), b[1]))
+    assert [la.layer for la in wrapped.layers] == ["0", "1"]
+    fix = r"loss_fn=lambda model, batch: criterion\(model\(batch\[0\]\), batch\[1\]\)"
+    with pytest.raises(TypeError, match=r"MSELoss\(\) is a criterion\(output, target\).*" + fix):
+        audit(model, batches, loss_fn=criterion)
+    with pytest.raises(TypeError, match=r"loss_fn\(model, batch\) raised TypeError: .*criterion"):
+        audit(model, batches, loss_fn=nn.functional.cross_entropy)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"returned float; it must return the loss"):
+        audit(model, batches, loss_fn=lambda m, b: 1.0)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match="must be callable"):
+        audit(model, batches, loss_fn="mse")  # type: ignore[arg-type]
+    assert all(p.grad is None for p in model.parameters())  # a failed audit leaves no grads

@@ -1,5 +1,11 @@
 """Precision-readiness audit: what each layer's activations, weights and gradients would
-lose in each format and scaling recipe, and a recommendation in words."""
+lose in each format and scaling recipe, and a recommendation in words.
+
+One convention for the loss: ``loss_fn(model, batch) -> loss`` (audit's ``loss_fn``, and
+the third element an audit target of ``floatguard audit`` returns), never a
+``criterion(output, target)``; see :func:`audit`. (The guard takes a closure instead:
+``Guard.step(closure)`` calls ``closure()``, as ``Optimizer.step(closure)``.)
+"""
 
 from __future__ import annotations
 
@@ -120,6 +126,44 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     )
 
 
+_WRAP = "loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])"
+
+
+def _check_loss_fn(loss_fn: object) -> None:
+    """A torch loss module is a criterion(output, target), not a loss_fn(model, batch)."""
+    if isinstance(loss_fn, nn.modules.loss._Loss):
+        raise TypeError(
+            f"audit: loss_fn={type(loss_fn).__name__}() is a criterion(output, target); "
+            f"audit calls loss_fn(model, batch): pass {_WRAP}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"audit: loss_fn must be callable as loss_fn(model, batch), got {loss_fn!r}"
+        )
+
+
+def _batch_loss(
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None, model: nn.Module, batch: Any
+) -> torch.Tensor:
+    """``loss_fn(model, batch)`` (or the default loss), checked to be a tensor; a TypeError
+    it raises says how audit calls it (a criterion passed as is fails that way)."""
+    if loss_fn is None:
+        return _default_loss(model, batch)
+    try:
+        loss = loss_fn(model, batch)
+    except TypeError as e:
+        raise TypeError(
+            f"audit: loss_fn(model, batch) raised TypeError: {e} (audit calls loss_fn with "
+            f"the model and one element of batches; for a criterion(output, target) pass {_WRAP})"
+        ) from e
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"audit: loss_fn(model, batch) returned {type(loss).__name__}; it must return the "
+            "loss as a scalar tensor"
+        )
+    return loss
+
+
 def _pct(x: float) -> str:
     """A fraction as a percentage with three significant digits (never 1e+02%)."""
     return f"{100 * x:.3g}%"
@@ -234,12 +278,19 @@ def audit(
 ) -> AuditReport:
     """Run forward and backward on ``batches`` and audit every matching layer.
 
-    ``loss_fn(model, batch)`` gives the loss to back-propagate (default: the mean of
-    the model's output). For each layer: the input activation, the weight and the
-    output gradient, cast to each format (saturating, unscaled) and through each recipe
-    (default: e4m3 tensor-wise and 1x128 blocks). Gradients are left as they were
-    (``model.zero_grad()`` is called before and after). Reads results on the host.
+    ``loss_fn(model, batch)`` is called with the model and each element of ``batches``
+    and returns the scalar loss to back-propagate: it runs the forward itself (default:
+    the model's own ``.loss`` when it returns one, else the mean of its output; a dict
+    batch goes in as keyword arguments). It is not a ``criterion(output, target)``: a
+    torch loss module given as ``loss_fn`` is a TypeError; wrap it, as in
+    ``loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])``.
+
+    For each layer: the input activation, the weight and the output gradient, cast to
+    each format (saturating, unscaled) and through each recipe (default: e4m3
+    tensor-wise and 1x128 blocks). Gradients are left as they were (``model.zero_grad()``
+    is called before and after). Reads results on the host.
     """
+    _check_loss_fn(loss_fn)
     fmts = tuple(get(f).name for f in formats)
     recs = (
         dict(recipes)
@@ -279,7 +330,7 @@ def audit(
     model.zero_grad(set_to_none=True)
     try:
         for batch in batches:
-            loss = loss_fn(model, batch) if loss_fn is not None else _default_loss(model, batch)
+            loss = _batch_loss(loss_fn, model, batch)
             loss.backward()  # type: ignore[no-untyped-call]
     finally:
         for h in handles:
