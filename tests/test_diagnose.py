@@ -182,3 +182,109 @@ def test_a_run_whose_loss_is_large_is_diagnosed() -> None:
         for i in range(60)
     ]  # fmt: skip
     assert all(f.rule != "loss_stuck" for f in diagnose(events))
+
+
+# ------------------------------------------------ logs off the beaten path (issue 22)
+def run_ev(precision: str, dtypes: list[str], scaling: bool = False) -> Event:
+    return ev("run", 0, precision=precision, loss_scaling=scaling, param_dtypes=dtypes,
+              optimizer="AdamW", world_size=1)  # fmt: skip
+
+
+def test_a_schema_1_fault_without_op_or_cause_is_diagnosed() -> None:
+    old = Event("fault", 3, {"phase": "forward", "module": "ln_f", "kind_of_value": "nan"})
+    found = diagnose([*steps([1.0] * 5), old])
+    assert all(f.rule != "rule_failed" for f in found)
+    bare = Event("fault", 4, {"phase": "param"})  # module, tensor, op: all unknown
+    assert all(f.rule != "rule_failed" for f in diagnose([bare, Event("overflow", 5, {})]))
+
+
+def test_mistyped_events_are_left_out_and_named() -> None:
+    bad = Event("step", 7, {"action": "applied", "loss": "high", "grad_norm": 1.0})
+    found = diagnose([*steps([1.0] * 40), bad])
+    assert [f.rule for f in found] == ["unreadable_events"]
+    assert "'loss' must be num, got 'high'" in found[0].evidence
+
+
+def _underflow_stats() -> list[Event]:
+    tensors = [{"module": "fc", "role": "param:weight.grad", "numel": 10,
+                "formats": {"fp16": {"underflow": 0.25}}}]  # fmt: skip
+    return [*steps([1.0] * 10), ev("stats", 5, tensors=tensors)]
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtypes", "scaling", "severity", "words"),
+    [
+        ("bf16", ["float32"], False, 1, "if this run moved to fp16"),
+        ("fp32", ["float32"], False, 1, "if this run moved to fp16"),
+        ("fp16", ["float32"], True, 1, "even unscaled"),
+        ("fp16", ["float32"], False, 2, "no loss scaling"),
+        ("fp32", ["float16"], False, 2, "no loss scaling"),  # model.half(), no scaler
+    ],
+)
+def test_gradient_underflow_knows_the_runs_precision(
+    precision: str, dtypes: list[str], scaling: bool, severity: int, words: str
+) -> None:
+    f = next(x for x in diagnose([run_ev(precision, dtypes, scaling), *_underflow_stats()])
+             if x.rule == "gradient_underflow")  # fmt: skip
+    assert f.severity == severity and words in f.title
+    if precision == "bf16":
+        assert "use bf16" not in f.fix
+
+
+def test_a_log_without_precision_says_it_cannot_tell() -> None:
+    f = next(x for x in diagnose(_underflow_stats()) if x.rule == "gradient_underflow")
+    assert "does not say the run's precision" in f.evidence
+
+
+def test_a_normalization_fed_an_absurd_input_is_not_blamed_on_eps() -> None:
+    norm = {"op": "aten.native_layer_norm.default", "module": "ln_f"}
+    flipped = fault(9, **norm, input_amax=3.4e30)  # a flipped exponent bit upstream
+    found = {f.rule: f for f in diagnose([run_ev("bf16", ["float32"]), *steps([1.0] * 12),
+                                          flipped])}  # fmt: skip
+    assert "norm_eps" not in found and "norm_input_out_of_range" in found
+    assert "3.4e+30" in found["norm_input_out_of_range"].evidence
+    flat = fault(9, **norm, input_amax=0.5)
+    f = next(x for x in diagnose([*steps([1.0] * 12), flat]) if x.rule == "norm_eps")
+    assert "the variance, not the input" in f.evidence
+    unknown = fault(9, **norm)
+    f = next(x for x in diagnose([*steps([1.0] * 12), unknown]) if x.rule == "norm_eps")
+    assert "cannot be ruled out" in f.evidence
+
+
+def test_optimizer_faults_with_16_bit_weights_are_not_called_memory_corruption() -> None:
+    update = fault(12, phase="param", module="fc", tensor="param:weight", op="optimizer.step",
+                   cause="optimizer_update")  # fmt: skip
+    moment = fault(12, phase="param", module="fc", tensor="optimizer:weight.exp_avg_sq",
+                   op="parameter", cause="nonfinite_optimizer_state")  # fmt: skip
+    for f_ev, rule in ((update, "optimizer_update"), (moment, "bad_optimizer_state")):
+        half = next(x for x in diagnose([run_ev("fp32", ["float16"]), *steps([1.0] * 15), f_ev])
+                    if x.rule == rule)  # fmt: skip
+        assert "ECC" not in half.cause + half.fix and "float16" in half.cause
+        full = next(x for x in diagnose([run_ev("fp32", ["float32"]), *steps([1.0] * 15), f_ev])
+                    if x.rule == rule)  # fmt: skip
+        assert "float16" not in full.cause
+
+
+def test_repeated_bad_input_is_told_from_bad_luck() -> None:
+    def bad(s: int) -> Event:
+        return fault(s, phase="input", module="", tensor="input[0]", op="input")
+
+    periodic = [*steps([1.0] * 40), *(bad(s) for s in (5, 15, 25, 35))]
+    f = next(x for x in diagnose(periodic) if x.rule == "repeated_bad_input")
+    assert "every 10 steps" in f.evidence and f.severity == 3
+    assert "repeated_bad_input" not in [x.rule for x in diagnose([*steps([1.0] * 40), bad(5)])]
+
+
+def test_spikes_told_apart_by_their_replay() -> None:
+    def spike(s: int, again: bool | None) -> Event:
+        return ev("spike", s, signal="loss", value=9.0, reproduced=again)
+
+    gone = diagnose([*steps([1.0] * 30), spike(10, False), spike(20, False)])
+    assert [f.rule for f in gone] == ["transient_spikes"]
+    again = diagnose([*steps([1.0] * 30), spike(10, True)])
+    assert [f.rule for f in again] == ["loss_spikes"] and "spiked again" in again[0].cause
+
+
+def test_a_huge_loss_window_is_diagnosed_without_overflow() -> None:
+    huge = steps([1e308] * 25 + [1.7e308] * 25)
+    assert all(f.rule != "rule_failed" for f in diagnose(huge))

@@ -34,6 +34,7 @@ def test_every_field_type_round_trips(tmp_path: Path) -> None:
         "stats": {"numel": 12, "nan": 1, "amax": 3.5, "min": -math.inf},
         "fault_rank": 3,
         "cause": "nonfinite_loss",
+        "input_amax": 2.5e19,
     }
     log = EventLog(path)
     log.emit("fault", 7, **values)

@@ -1,14 +1,21 @@
 """Diagnosis: rules over the event stream, each a finding with evidence, cause and fix.
 
-Each rule reads the events (``step``, ``fault``, ``overflow``, ``spike``, ``rollback``,
-``warning`` ...) and returns zero or more :class:`Finding`; :func:`diagnose` runs them
-all and ranks the findings (what stops a run first, then what costs it most). The
-rules are the common numerical bugs of deep-learning training (the lessons' table,
-`docs/lessons.md`): each tells its causes apart by the evidence where it can.
+Each rule reads the events (``run``, ``step``, ``fault``, ``overflow``, ``spike``,
+``rollback``, ``warning`` ...) and returns zero or more :class:`Finding`;
+:func:`diagnose` runs them all and ranks the findings (what stops a run first, then
+what costs it most). The rules are the common numerical bugs of deep-learning training
+(the lessons' table, `docs/lessons.md`): each tells its causes apart by the evidence
+where it can, and states the evidence it needs (the run's precision comes from its
+``run`` event; a log without one is judged by what its steps show, and says so).
+
+Any log the reader accepts can be diagnosed: fields a schema 1 file lacks are unknown
+(None) and every rule reads them as such; events with a mistyped field are left out
+and reported as a finding of their own (``unreadable_events``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -16,9 +23,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from floatguard.events import Event
+from floatguard._event_schema import finite as _finite
+from floatguard.events import Event, conform_events
 
-__all__ = ["Finding", "diagnose"]
+__all__ = ["Finding", "RunInfo", "diagnose", "run_info"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,60 @@ class Finding:
         return d
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run computes in, as far as its log tells: ``precision`` ("fp32", "bf16",
+    "fp16": the autocast precision; None when the log has no ``run`` event),
+    ``loss_scaling`` (None: unknown; from the steps' scale when there is no ``run``
+    event), ``param_dtypes`` (the weights' dtypes; empty: unknown)."""
+
+    precision: str | None
+    loss_scaling: bool | None
+    param_dtypes: tuple[str, ...]
+
+    @property
+    def weights_16bit(self) -> str | None:
+        """ "float16" / "bfloat16" when the weights themselves are 16-bit (no fp32 master
+        copy; AdamW then keeps its moments in that dtype too), else None."""
+        for d in ("float16", "bfloat16"):
+            if d in self.param_dtypes:
+                return d
+        return None
+
+    @property
+    def fp16(self) -> bool | None:
+        """Whether the run computes in fp16 (autocast or fp16 weights); None: unknown."""
+        if self.precision is None and not self.param_dtypes:
+            return True if self.loss_scaling else None
+        return self.precision == "fp16" or "float16" in self.param_dtypes
+
+    def says(self) -> str:
+        """The run's precision in words, for evidence."""
+        if self.precision is None:
+            return "precision not in the log" + (
+                " (loss-scaled steps: fp16)" if self.loss_scaling else ""
+            )
+        weights = f", {'/'.join(self.param_dtypes)} weights" if self.param_dtypes else ""
+        scaled = ", loss scaling" if self.loss_scaling else ""
+        return f"{self.precision} autocast{weights}{scaled}"
+
+
+def run_info(events: Iterable[Event]) -> RunInfo:
+    """The run's :class:`RunInfo`: from its last ``run`` event, else from the steps'
+    loss scale (a scale other than 1 means fp16 with loss scaling)."""
+    evs = list(events)
+    runs = [e for e in evs if e.kind == "run"]
+    if runs:
+        r = runs[-1].fields
+        precision = r.get("precision") if r.get("precision") in ("fp32", "bf16", "fp16") else None
+        scaling = r.get("loss_scaling") if isinstance(r.get("loss_scaling"), bool) else None
+        dtypes = tuple(str(d) for d in r.get("param_dtypes") or [] if isinstance(d, str))
+        return RunInfo(precision, scaling, dtypes)
+    scaled = any(_finite(e.fields.get("scale")) and e.fields["scale"] > 1.0
+                 for e in evs if e.kind == "step")  # fmt: skip
+    return RunInfo(None, True if scaled else None, ())
+
+
 Rule = Callable[[list[Event]], list[Finding]]
 _RULES: list[Rule] = []
 
@@ -57,7 +119,11 @@ def _faults(events: list[Event]) -> list[Event]:
 
 
 def _where(e: Event) -> str:
-    return e["module"] or "<root>"
+    return str(e["module"] or "<root>")
+
+
+def _name(e: Event) -> str:
+    return f"{_where(e)}.{e['tensor'] or '?'}"
 
 
 @_rule
@@ -73,16 +139,49 @@ def bad_input(events: list[Event]) -> list[Finding]:
         if stopped
         else "the guard skipped each such batch without changing the LR or the loss scale"
     )
-    return [Finding(
+    first = hits[0]["source"] or hits[0]["tensor"] or "the batch"
+    found = [Finding(
         "bad_input", "Non-finite values in the data",
         f"{len(hits)} batch(es) carried NaN/inf into the step (steps {_list(steps)}); "
-        f"first at {hits[0]['source'] or hits[0]['tensor']}",
+        f"first at {first}",
         "the data pipeline produced them (a corrupted sample, a bad loss mask, a division "
         "by zero in preprocessing); the model did nothing wrong",
         "validate batches where they are made (torch.isfinite on inputs and loss weights); "
         + done,
         3 if stopped else 2, steps,
     )]  # fmt: skip
+    if len(hits) >= 3:
+        found.append(_repeated_input(events, hits, stopped))
+    return found
+
+
+def _repeated_input(events: list[Event], hits: list[Event], stopped: bool) -> Finding:
+    """Bad batches that keep coming: a period (the same sample every epoch) or a share
+    of all steps (a pipeline that is broken, not unlucky)."""
+    steps = [e.step for e in hits]
+    gaps = {b - a for a, b in itertools.pairwise(steps)}
+    total = len({e.step for e in _steps(events)}) or len(steps)
+    tensors = sorted({str(e["tensor"]) for e in hits if e["tensor"]})
+    if len(gaps) == 1 and next(iter(gaps)) > 1:
+        pattern = (
+            f"every {next(iter(gaps))} steps: the same bad sample comes back each epoch (a "
+            f"dataset of {next(iter(gaps))} batches per epoch, or a fixed shard)"
+        )
+    elif gaps == {1}:
+        pattern = "on consecutive steps: the pipeline broke at a point and stayed broken"
+    else:
+        pattern = f"at irregular steps, {len(hits)} of {total} steps"
+    return Finding(
+        "repeated_bad_input", "Non-finite batches keep coming",
+        f"{len(hits)} non-finite batch(es) {pattern}; in {', '.join(tensors[:3]) or 'the input'}",
+        "not bad luck: a sample or a preprocessing step that always yields NaN/inf (a "
+        "log of 0, a division by a zero count, an uninitialized buffer in the loader); "
+        "skipping it hides the bug and loses those batches every epoch",
+        "find the sample (the fault's step and batch index) and fix or filter it at the "
+        "source; ResponsePolicy(bad_data_stop_after=...) bounds how many the guard skips"
+        + ("; the guard stopped the run for it" if stopped else ""),
+        3, tuple(steps),
+    )  # fmt: skip
 
 
 def _param_kind(e: Event) -> str:
@@ -105,18 +204,33 @@ def optimizer_update(events: list[Event]) -> list[Finding]:
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
-    names = sorted({f"{_where(e)}.{e['tensor']}" for e in hits})
+    names = sorted({_name(e) for e in hits})
+    info = run_info(events)
+    low = info.weights_16bit
+    if low is not None:
+        cause = (
+            f"the weights are {low} with no fp32 master copy ({info.says()}), so the "
+            f"update is computed and rounded in {low}: AdamW's eps (1e-8) is 0 in fp16, "
+            "so a second moment that underflowed to 0 gives 0/0, and an update past the "
+            "format's range is inf"
+        )
+        fix = ("keep fp32 master weights (floatguard.MasterWeights, or keep the model in "
+               "fp32 and train under autocast instead of model.half()); use an eps the "
+               "dtype can hold (>= 1e-4 in fp16); lower the LR")  # fmt: skip
+    else:
+        cause = (
+            "the update itself overflowed or divided by zero with fp32 weights ("
+            + info.says()
+            + "): a learning rate far too high for this phase, an optimizer "
+            "hyper-parameter out of range (eps=0, a beta of 1), or a custom optimizer's bug"
+        )
+        fix = ("lower the LR (or lengthen warmup) and check the optimizer's arguments; keep "
+               "gradient clipping on")  # fmt: skip
     return [Finding(
         rule="optimizer_update", title="The optimizer update made a weight non-finite",
         evidence=(f"{', '.join(names)} finite with finite gradients before the update of "
                   f"step {hits[0].step - 1}, non-finite after it (step(s) {_list(steps)})"),
-        cause=("the update itself overflowed or divided by zero: with 16-bit weights the "
-               "update is computed and rounded in 16 bits, and AdamW's eps (1e-8) is 0 in "
-               "fp16, so a moment that underflowed to 0 gives 0/0; or the LR is too high"),
-        fix=("keep fp32 master weights (floatguard.MasterWeights, or train in fp32 under "
-             "autocast instead of model.half()); use an eps the dtype can hold (>= 1e-4 "
-             "in fp16); lower the LR"),
-        severity=3, steps=steps,
+        cause=cause, fix=fix, severity=3, steps=steps,
     )]  # fmt: skip
 
 
@@ -126,16 +240,35 @@ def bad_optimizer_state(events: list[Event]) -> list[Finding]:
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
-    names = sorted({f"{_where(e)}.{e['tensor']}" for e in hits})
+    names = sorted({_name(e) for e in hits})
+    info = run_info(events)
+    low = info.weights_16bit
+    if low is not None:
+        cause = (
+            f"the moments are {low}: the weights are {low} ({info.says()}) and AdamW keeps "
+            "its moments in the weights' dtype, where exp_avg_sq = g**2 overflows (past "
+            "65504 in fp16: |g| > 256) or a moment goes non-finite with the update"
+        )
+        fix = (
+            "keep fp32 master weights and optimizer states (floatguard.MasterWeights); the "
+            "guard rolled back to the last snapshot, whose states were vetted finite"
+        )
+    else:
+        cause = (
+            "a moment (exp_avg, exp_avg_sq) held a NaN or inf before the weight it updates "
+            "went bad, with finite gradients and fp32 states as far as the log says ("
+            + info.says()
+            + "): a write from outside the optimizer (a hook, a state loaded "
+            "from a bad checkpoint), a low-precision optimizer (8-bit states), or memory "
+            "corruption"
+        )
+        fix = ("check what writes the optimizer's state (hooks, checkpoint loading); the "
+               "guard rolled back to the last snapshot, whose states were vetted finite; if "
+               "it recurs on one machine only, check its memory (ECC errors)")  # fmt: skip
     return [Finding(
         rule="bad_optimizer_state", title="An optimizer state tensor went non-finite",
         evidence=f"{', '.join(names)} at step(s) {_list(steps)}",
-        cause=("a moment (exp_avg, exp_avg_sq) held a NaN or inf before the weight it updates "
-               "went bad: a low-precision optimizer state that overflowed (g**2 past fp16's "
-               "range), a write from outside the optimizer, or memory corruption"),
-        fix=("keep optimizer states in fp32; the guard rolled back to the last snapshot, "
-             "whose states were vetted finite; if it recurs on one machine, check its memory"),
-        severity=3, steps=steps,
+        cause=cause, fix=fix, severity=3, steps=steps,
     )]  # fmt: skip
 
 
@@ -153,6 +286,7 @@ def bad_parameter(events: list[Event]) -> list[Finding]:
         < hits[0].step
     ]  # fmt: skip
     if all(_param_kind(e) == "magnitude" for e in hits):
+        title = "A weight jumped to an absurd (finite) magnitude"
         cause = (
             "a weight stayed finite but jumped to an absurd magnitude between steps (orders "
             "of magnitude past its value at the last snapshot): a flipped exponent bit "
@@ -161,20 +295,22 @@ def bad_parameter(events: list[Event]) -> list[Finding]:
         fix = ("the guard rolled back to the last verified snapshot; if it recurs on one "
                "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
     elif spikes_before:
+        title = "A weight went non-finite (or past the format's range)"
         cause = ("an optimizer step with too large an update (loss or gradient spikes came "
                  "just before it): the learning rate is too high for this phase")  # fmt: skip
         fix = "lower the peak LR or lengthen warmup; keep gradient clipping on"
     else:
+        title = "A weight went non-finite (or past the format's range)"
         cause = (
             "a weight changed between steps with no warning in the training signal: "
             "memory corruption (a flipped bit) or a write from outside the optimizer"
         )
         fix = ("the guard rolled back to the last verified snapshot; if it recurs on one "
                "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
-    names = sorted({f"{_where(e)}.{e['tensor']}" for e in hits})
+    names = sorted({_name(e) for e in hits})
     return [Finding(
-        "bad_parameter", "A weight went non-finite (or past the format's range)",
-        f"{', '.join(names)} at step(s) {_list(steps)}", cause, fix, 3, steps,
+        "bad_parameter", title, f"{', '.join(names)} at step(s) {_list(steps)}",
+        cause, fix, 3, steps,
     )]  # fmt: skip
 
 
@@ -207,7 +343,8 @@ def exp_overflow(events: list[Event]) -> list[Finding]:
     steps = tuple(e.step for e in hits)
     return [Finding(
         "exp_overflow", "exp() overflowed",
-        f"inf born in {_where(hits[0])} by {hits[0]['op']} at {hits[0]['source']}",
+        f"inf born in {_where(hits[0])} by {hits[0]['op']}"
+        + (f" at {hits[0]['source']}" if hits[0]["source"] else ""),
         "exp of raw logits: anything above ~88.7 (float32) or ~11.1 (fp16) is inf",
         "subtract the maximum first (log-sum-exp trick): floatguard.ops.logsumexp / "
         "softmax / cross_entropy, or torch's own fused ops",
@@ -215,25 +352,61 @@ def exp_overflow(events: list[Event]) -> list[Finding]:
     )]  # fmt: skip
 
 
+_NORM_OPS = ("rsqrt", "layer_norm", "rms_norm", "group_norm", "batch_norm", "var", "div")
+_NORM_NAMES = ("norm", "ln", "bn", "rms")
+# |x| past this squares past float32's range: a normalization's variance is inf, not 0
+_SQUARE_OVERFLOWS = math.sqrt(3.4028234663852886e38)
+
+
+def _is_norm(e: Event) -> bool:
+    op = str(e["op"] or "")
+    named = any(k in str(e["module"] or "").lower() for k in _NORM_NAMES)
+    return ("layer_norm" in op or "rms_norm" in op) or (named and any(k in op for k in _NORM_OPS))
+
+
 @_rule
 def norm_eps(events: list[Event]) -> list[Finding]:
-    hits = [
-        e for e in _faults(events)
-        if any(k in (e["op"] or "") for k in ("rsqrt", "native_layer_norm", "div"))
-        and any(k in e["module"].lower() for k in ("norm", "ln", "bn"))
-    ]  # fmt: skip
+    """A normalization's fault: a vanishing variance (tiny eps) or an input that was
+    already out of range (its square overflows); the fault's ``input_amax`` tells
+    them apart, and without it the finding says the evidence is missing."""
+    hits = [e for e in _faults(events) if e["phase"] not in ("input", "param") and _is_norm(e)]
     if not hits:
         return []
-    steps = tuple(e.step for e in hits)
-    return [Finding(
-        "norm_eps", "A normalization divided by a vanishing variance",
-        f"{hits[0]['kind_of_value']} born in {_where(hits[0])} by {hits[0]['op']}",
-        "a (near-)constant input makes the variance 0; with a tiny eps (or one below the "
-        "format's smallest normal, as 1e-6 is in fp16) 1/sqrt(var + eps) overflows",
-        "use eps >= 1e-5 (1e-4 or more under fp16), or compute the statistics in float32 "
-        "(floatguard.ops.layer_norm / rms_norm)",
-        2, steps,
-    )]  # fmt: skip
+    huge = [e for e in hits if _finite(e["input_amax"]) and e["input_amax"] > _SQUARE_OVERFLOWS]
+    small = [e for e in hits if e not in huge]
+    out = []
+    if huge:
+        h = huge[0]
+        out.append(Finding(
+            "norm_input_out_of_range", "A normalization was given values out of range",
+            f"{h['kind_of_value']} born in {_where(h)} by {h['op']}, whose input had "
+            f"|x| up to {h['input_amax']:.3g} (its square overflows float32)",
+            "the normalization is where the bad value showed, not where it came from: its "
+            "input was already absurd (a weight with a flipped exponent bit upstream, an "
+            "exploding residual stream, an unnormalized input); eps plays no part",
+            "look upstream of that module: the guard's snapshot check names a corrupted "
+            "weight; watch the residual stream's amax (Monitor(mode='stats')); lower the LR",
+            3, tuple(e.step for e in huge),
+        ))  # fmt: skip
+    if small:
+        f = small[0]
+        known = _finite(f["input_amax"])
+        evidence = f"{f['kind_of_value']} born in {_where(f)} by {f['op']}" + (
+            f"; its input's |x| was at most {f['input_amax']:.3g}, so the variance, not "
+            "the input, is what failed"
+            if known
+            else "; the fault carries no input statistics, so an input out of range "
+            "cannot be ruled out (a replay records them: Guard.step(closure))"
+        )
+        out.append(Finding(
+            "norm_eps", "A normalization divided by a vanishing variance", evidence,
+            "a (near-)constant input makes the variance 0; with a tiny eps (or one below the "
+            "format's smallest normal, as 1e-6 is in fp16) 1/sqrt(var + eps) overflows",
+            "use eps >= 1e-5 (1e-4 or more under fp16), or compute the statistics in float32 "
+            "(floatguard.ops.layer_norm / rms_norm)",
+            2, tuple(e.step for e in small),
+        ))  # fmt: skip
+    return out
 
 
 @_rule
@@ -263,9 +436,10 @@ def scale_collapse(events: list[Event]) -> list[Finding]:
     over = [e for e in events if e.kind == "overflow"]
     if not over:
         return []
-    last = over[-1]["scale_after"]
+    afters = [e["scale_after"] for e in over if _finite(e["scale_after"])]
+    last = afters[-1] if afters else math.nan
     steps = tuple(e.step for e in over)
-    if last <= 1.0 or len(over) >= 20:
+    if (afters and last <= 1.0) or len(over) >= 20:
         return [Finding(
             "scale_collapse", "The fp16 loss scale collapsed",
             f"{len(over)} overflow back-offs; the scale fell to {last:g}",
@@ -287,21 +461,57 @@ def scale_collapse(events: list[Event]) -> list[Finding]:
 
 @_rule
 def loss_spikes(events: list[Event]) -> list[Finding]:
+    """Spikes, told apart by their replay (the guard replays a spike's step when it
+    can): one that spikes again is in the batch or the weights; one that does not is a
+    transient of the computation; without a replay, the common causes."""
     spikes = [e for e in events if e.kind == "spike"]
     if not spikes:
         return []
-    steps = tuple(e.step for e in spikes)
+    again = [e for e in spikes if e["reproduced"] is True]
+    gone = [e for e in spikes if e["reproduced"] is False]
+    unknown = [e for e in spikes if e["reproduced"] is None]
     rolled = [e for e in events if e.kind == "rollback" and e["cause"] is None]
-    return [Finding(
-        "loss_spikes", "Loss spikes",
-        f"{len(spikes)} spike(s) at steps {_list(steps)}"
-        + (f"; {len(rolled)} rollback(s) after them" if rolled else ""),
-        "an update too large for the curvature (LR too high, or a learning-rate schedule "
-        "jump), or an outlier batch",
-        "lower the peak LR or lengthen warmup; clip gradients (ZClip adapts the threshold); "
-        "look at the batches at those steps",
-        2, steps,
-    )]  # fmt: skip
+    out = []
+    if again or unknown:
+        hits = again + unknown
+        steps = tuple(sorted(e.step for e in hits))
+        signals = sorted({str(e["signal"] or "loss") for e in hits})
+        told = (
+            f"; {len(again)} reproduced when the step was replayed" if again else
+            "; not replayed (no closure, or under torch.distributed)"
+        )  # fmt: skip
+        cause = (
+            "the replayed step spiked again, so the spike is in the batch or in the weights: "
+            "an outlier or mislabelled batch, or an update too large for the curvature (LR "
+            "too high, a schedule jump)"
+            if again and not unknown
+            else "an update too large for the curvature (LR too high, or a learning-rate "
+            "schedule jump), or an outlier batch"
+        )
+        out.append(Finding(
+            "loss_spikes",
+            "Loss spikes" if signals == ["loss"] else "Spikes in the training signal",
+            f"{len(hits)} spike(s) of {', '.join(signals)} at steps {_list(steps)}{told}"
+            + (f"; {len(rolled)} rollback(s) after them" if rolled else ""),
+            cause,
+            "lower the peak LR or lengthen warmup; clip gradients (ZClip adapts the threshold); "
+            "look at the batches at those steps",
+            2, steps,
+        ))  # fmt: skip
+    if gone:
+        steps = tuple(e.step for e in gone)
+        out.append(Finding(
+            "transient_spikes", "Spikes that do not reproduce",
+            f"{len(gone)} spike(s) at steps {_list(steps)} were gone when the same step was "
+            "replayed with the same batch and weights",
+            "the computation, not the data or the weights: nondeterminism (atomics, a race "
+            "between streams), failing hardware, or randomness the replay does not repeat "
+            "(dropout seeded outside torch's generators)",
+            "if they are frequent, run the steps on another device and with "
+            "torch.use_deterministic_algorithms(True); the guard skipped each one",
+            2 if len(gone) >= 2 else 1, steps,
+        ))  # fmt: skip
+    return out
 
 
 @_rule
@@ -355,9 +565,11 @@ def loss_stuck(events: list[Event]) -> list[Finding]:
     losses = [e["loss"] for e in _steps(events)[-50:] if _finite(e["loss"])]
     if len(losses) < 30:
         return []
+    if max(abs(v) for v in losses) > 700.0:  # no ln(n) of a class count is this large
+        return []
     mean = statistics.fmean(losses)
     spread = statistics.pstdev(losses)
-    n = round(math.exp(min(mean, 700.0)))  # (a loss past ~709 overflows exp: cap it)
+    n = round(math.exp(mean))
     if n < 2 or spread > 0.01 * max(mean, 1e-9) or abs(mean - math.log(n)) > 0.005 * math.log(n):
         return []
     return [Finding(
@@ -374,10 +586,10 @@ def loss_stuck(events: list[Event]) -> list[Finding]:
 
 @_rule
 def zero_grad_norm(events: list[Event]) -> list[Finding]:
-    zeros = [e for e in _steps(events) if e["grad_norm"] == 0.0]
+    zeros = [e for e in _steps(events) if e["grad_norm"] == 0.0 and e["action"] == "applied"]
     if len(zeros) < 3:
         return []
-    fp16 = any(e["scale"] not in (None, 1.0) for e in _steps(events))
+    fp16 = run_info(events).fp16
     cause = (
         "fp16 gradients underflowed to zero (the loss scale is too small for them)"
         if fp16
@@ -394,23 +606,34 @@ def zero_grad_norm(events: list[Event]) -> list[Finding]:
 
 @_rule
 def gradient_underflow(events: list[Event]) -> list[Finding]:
-    """Gradients that fp16 flushes to zero, measured on the sampled steps' statistics."""
-    samples = [e for e in events if e.kind == "stats"]
+    """Gradients that fp16 flushes to zero, measured on the sampled steps' statistics;
+    what it means depends on the run's precision (``run`` event): a loss in an fp16 run
+    without scaling, a lifted loss with scaling, and only a forecast in bf16/fp32."""
     worst: dict[str, float] = {}
-    for e in samples:
+    for e in _samples(events):
         for t in e["tensors"]:
             if "grad" not in t["role"]:
                 continue
-            u = t["formats"].get("fp16", {}).get("underflow")
+            u = (t.get("formats") or {}).get("fp16", {}).get("underflow")
             if _finite(u) and u > worst.get(f"{t['module']}.{t['role']}", 0.0):
                 worst[f"{t['module']}.{t['role']}"] = u
     bad = {k: v for k, v in worst.items() if v >= 0.01}
     if not bad:
         return []
-    scaled = any(_finite(e["scale"]) and e["scale"] > 1.0 for e in _steps(events))
+    info = run_info(events)
     top = sorted(bad.items(), key=lambda kv: -kv[1])[:3]
     evidence = ", ".join(f"{k}: {v:.1%}" for k, v in top)
-    if scaled:
+    if info.fp16 is False:
+        return [Finding(
+            "gradient_underflow", "Gradients below fp16's range (if this run moved to fp16)",
+            f"fraction that would flush to zero in fp16, unscaled: {evidence} (this run: "
+            f"{info.says()}, so nothing is lost now)",
+            "small gradients, as usual; bf16 and fp32 have float32's range and keep them",
+            "nothing to do in bf16/fp32; a move to fp16 needs dynamic loss scaling "
+            "(Guard(precision='fp16') does it)",
+            1, (),
+        )]  # fmt: skip
+    if info.loss_scaling:
         return [Finding(
             "gradient_underflow", "Some gradients are below fp16's range even unscaled",
             f"fraction that would flush to zero in fp16, unscaled: {evidence} (the run uses "
@@ -419,9 +642,20 @@ def gradient_underflow(events: list[Event]) -> list[Finding]:
             "while the loss scale stays high; if it collapses, use bf16",
             1, (),
         )]  # fmt: skip
+    if info.fp16 is None:
+        return [Finding(
+            "gradient_underflow", "Gradients below fp16's range",
+            f"fraction that flushes to zero in fp16, unscaled: {evidence} (the log does not "
+            "say the run's precision and shows no loss scaling)",
+            "in an fp16 run without loss scaling these gradients become 0 and those weights "
+            "stop learning; in bf16 or fp32 nothing is lost",
+            "if the run is fp16: use dynamic loss scaling (Guard(precision='fp16') does), or "
+            "bf16",
+            2, (),
+        )]  # fmt: skip
     return [Finding(
         "gradient_underflow", "Gradients flush to zero in fp16 (no loss scaling)",
-        f"fraction that flushes to zero in fp16: {evidence}",
+        f"fraction that flushes to zero in fp16: {evidence} ({info.says()})",
         "fp16's smallest subnormal is 2^-24 (6e-8): smaller gradients become 0 and those "
         "weights stop learning; accuracy is lost silently",
         "use dynamic loss scaling (Guard(precision='fp16') does), or bf16",
@@ -433,6 +667,11 @@ def _samples(events: list[Event]) -> list[Event]:
     return [e for e in events if e.kind == "stats" and e["tensors"]]
 
 
+def _count(t: dict[str, Any], key: str) -> int:
+    v = t.get(key)
+    return v if type(v) is int else 0
+
+
 @_rule
 def dead_layers(events: list[Event]) -> list[Finding]:
     """Layers whose gradient is all zero on a sampled step: dead units or underflow."""
@@ -440,18 +679,18 @@ def dead_layers(events: list[Event]) -> list[Finding]:
     zero_acts: dict[str, float] = {}
     for e in _samples(events):
         for t in e["tensors"]:
-            n = t.get("numel", 0)
-            if not n:
+            n = _count(t, "numel")
+            if n <= 0:
                 continue
-            if t["role"].endswith(".grad") and t.get("zeros", 0) == n:
+            if t["role"].endswith(".grad") and _count(t, "zeros") == n:
                 dead.setdefault(f"{t['module']}.{t['role']}", e.step)
             if t["role"] == "output[0]":
-                frac = t.get("zeros", 0) / n
+                frac = _count(t, "zeros") / n
                 zero_acts[t["module"]] = max(zero_acts.get(t["module"], 0.0), frac)
     if not dead:
         return []
     mostly_zero = sorted(m for m, f in zero_acts.items() if f >= 0.9)
-    fp16 = any(_finite(e["scale"]) and e["scale"] > 1.0 for e in _steps(events))
+    fp16 = run_info(events).fp16
     if mostly_zero:
         cause = (
             f"dead units: the outputs of {', '.join(mostly_zero[:3])} are >= 90% zeros, "
@@ -483,14 +722,14 @@ def attention_logits(events: list[Event]) -> list[Finding]:
             m = t["module"].lower()
             if t["role"] == "output[0]" and any(k in m for k in ("qkv", "q_proj", "k_proj",
                                                                  "query", "key")):  # fmt: skip
-                if _finite(t["amax"]) and t["amax"] > 0:
+                if _finite(t.get("amax")) and t["amax"] > 0:
                     series.setdefault(t["module"], []).append((e.step, t["amax"]))
     out = []
     for module, pts in series.items():
         if len(pts) < 3:
             continue
         first, last = pts[0][1], pts[-1][1]
-        if last >= 10 * first and last >= 8.0:
+        if last >= 10 * first and last >= 8.0 and math.isfinite(last / first):
             out.append(Finding(
                 "attention_logits", f"Attention logits grow in {module}",
                 f"the amax of {module}'s output grew {last / first:.0f}x (from {first:.3g} at "
@@ -510,9 +749,9 @@ def attention_logits(events: list[Event]) -> list[Finding]:
 def fp16_divergence(events: list[Event]) -> list[Finding]:
     """An fp16 run whose loss goes non-finite after a burst of overflows."""
     steps = _steps(events)
-    if not any(_finite(e["scale"]) and e["scale"] > 1.0 for e in steps):
+    if not run_info(events).fp16:
         return []
-    bad = [e.step for e in steps if not _finite(e["loss"])]
+    bad = [e.step for e in steps if e["loss"] is not None and not _finite(e["loss"])]
     if not bad:
         return []
     over = [e.step for e in events if e.kind == "overflow" and bad[0] - 50 <= e.step <= bad[0]]
@@ -532,15 +771,29 @@ def fp16_divergence(events: list[Event]) -> list[Finding]:
 
 def diagnose(events: Iterable[Event]) -> list[Finding]:
     """Run every rule over ``events``; the findings, most severe first (then earliest)."""
-    evs = list(events)
+    problems: list[str] = []
+    evs = conform_events(events, problems)
     found: list[Finding] = []
     for rule in _RULES:
-        found.extend(rule(evs))
+        try:
+            found.extend(rule(evs))
+        except Exception as e:  # a rule's bug must not hide the others' findings
+            found.append(Finding(
+                "rule_failed", f"The {rule.__name__} rule could not read this run",
+                f"{type(e).__name__}: {e}",
+                "a floatguard bug: the rule met a log it did not expect",
+                "report it with the log (floatguard's issue tracker); the other findings stand",
+                1, (),
+            ))  # fmt: skip
+    if problems:
+        found.append(Finding(
+            "unreadable_events", f"{len(problems)} event(s) could not be read",
+            "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""),
+            "a field of the wrong type (a log written by another tool, or edited by hand)",
+            "the diagnosis left them out; fix or remove those events",
+            1, (),
+        ))  # fmt: skip
     return sorted(found, key=lambda f: (-f.severity, f.steps[0] if f.steps else math.inf))
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _list(steps: Iterable[int], most: int = 8) -> str:

@@ -30,12 +30,17 @@ import os
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["EVENT_FIELDS", "SCHEMA_VERSION", "Event", "EventLog", "read_events"]
+from floatguard._event_schema import FIELD_TYPES, conform_fields
+
+__all__ = [
+    "EVENT_FIELDS", "FIELD_TYPES", "SCHEMA_VERSION", "Event", "EventLog", "conform_events",
+    "read_events",
+]  # fmt: skip
 
 SCHEMA_VERSION = 2
 ENVELOPE = ("schema", "kind", "step", "time", "rank")
@@ -45,10 +50,11 @@ _MAX_DEPTH = 32
 EVENT_FIELDS: dict[str, frozenset[str]] = {
     k: frozenset(v)
     for k, v in {
+        "run": ("precision", "loss_scaling", "param_dtypes", "optimizer", "world_size"),
         "step": ("action", "reason", "loss", "grad_norm", "clip_coef", "scale", "lr_factor"),
         "fault": (
             "phase", "module", "tensor", "kind_of_value", "shape", "op", "source",
-            "deterministic", "stats", "fault_rank", "cause",
+            "deterministic", "stats", "fault_rank", "cause", "input_amax",
         ),
         "overflow": ("scale_before", "scale_after"),
         "spike": ("signal", "value", "reproduced"),
@@ -324,10 +330,39 @@ def _parse(raw: bytes, where: str) -> Event:
     if isinstance(t, bool) or not isinstance(t, (int, float)):
         raise ValueError(f"{where}: 'time' must be a number, got {t!r}")
     rank = rec.get("rank", 0)
-    if type(rank) is not int:
-        raise ValueError(f"{where}: 'rank' must be an int, got {rank!r}")
+    if type(rank) is not int or not 0 <= rank < 2**31:
+        raise ValueError(f"{where}: 'rank' must be an int >= 0, got {str(rank)[:40]}")
+    try:
+        when = float(t)
+    except OverflowError:
+        raise ValueError(f"{where}: 'time' is out of range ({str(t)[:20]}...)") from None
+    if abs(rec["step"]) >= 2**63:
+        raise ValueError(f"{where}: 'step' is out of range ({str(rec['step'])[:20]}...)")
     fields = {k: _decode(v, schema, k) for k, v in rec.items() if k not in ENVELOPE}
-    return Event(rec["kind"], rec["step"], fields, float(t), rank)
+    fields, why = conform_fields(rec["kind"], fields)
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
+    return Event(rec["kind"], rec["step"], fields, when, rank)
+
+
+def conform_events(events: Iterable[Event], problems: list[str] | None = None) -> list[Event]:
+    """The events a report or diagnosis can read: each known kind with all its fields
+    (a missing one, as in schema 1 files, is None) and each field of its type; an event
+    with a mistyped field is left out, its reason appended to ``problems``. Events read
+    by :func:`read_events` already conform; this is for events built in code."""
+    out = []
+    for ev in events:
+        if not isinstance(ev, Event):
+            if problems is not None:
+                problems.append(f"not an Event: {type(ev).__name__}")
+            continue
+        fields, why = conform_fields(ev.kind, ev.fields)
+        if why is not None:
+            if problems is not None:
+                problems.append(f"step {ev.step}, rank {ev.rank}: {why}; left out")
+            continue
+        out.append(ev if fields == ev.fields else Event(ev.kind, ev.step, fields, ev.time, ev.rank))
+    return out
 
 
 def read_events(

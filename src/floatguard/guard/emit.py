@@ -11,9 +11,17 @@ from floatguard.guard.types import StepResult
 from floatguard.monitor.localize import Fault
 from floatguard.stats import TensorStats
 
-__all__ = ["GuardEvents", "stats_fields"]
+__all__ = ["GuardEvents", "input_amax", "stats_fields"]
 
 _STATS = ("numel", "nan", "posinf", "neginf", "zeros", "amax", "min", "max")
+
+
+def input_amax(inputs: tuple[TensorStats, ...]) -> float | None:
+    """The largest finite magnitude among a birth's op inputs (one read; bad steps only),
+    or None when the fault has no input statistics."""
+    if not inputs:
+        return None
+    return float(torch.stack([s.amax.double().reshape(()) for s in inputs]).max().cpu())
 
 
 def stats_fields(stats: TensorStats | None) -> dict[str, Any] | None:
@@ -34,6 +42,34 @@ class GuardEvents:
 
     def __init__(self, log: EventLog) -> None:
         self.log = log
+
+    def run(
+        self,
+        precision: str,
+        loss_scaling: bool,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        process_group: Any,
+    ) -> None:
+        """What the run computes in, for the diagnosis: autocast precision, loss scaling,
+        the parameters' dtypes (16-bit weights: no fp32 master copy), the optimizer."""
+        import torch.distributed as dist
+
+        world = (
+            dist.get_world_size(process_group)
+            if dist.is_available() and dist.is_initialized()
+            else 1
+        )
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        self.log.emit(
+            "run",
+            0,
+            precision=precision,
+            loss_scaling=bool(loss_scaling),
+            param_dtypes=dtypes,
+            optimizer=type(optimizer).__name__,
+            world_size=int(world),
+        )
 
     def step(self, result: StepResult) -> None:
         self.log.emit(
@@ -63,6 +99,7 @@ class GuardEvents:
             stats=stats_fields(fault.stats),
             fault_rank=fault.rank,
             cause=cause,
+            input_amax=input_amax(fault.inputs),
         )
 
     def overflow(self, step: int, scale_before: float, scale_after: float) -> None:

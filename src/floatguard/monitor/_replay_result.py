@@ -63,6 +63,7 @@ class ReplayResult:
             op=self.op,
             source=self.source,
             deterministic=deterministic,
+            inputs=tuple(self.inputs),
         )
 
 

@@ -38,6 +38,8 @@ class Fault:
     there), ``source``, the user's line, and ``deterministic``: whether a replay of
     the step reproduced the fault (None when not replayed). ``rank``: under
     torch.distributed, the rank where it was born (None otherwise, or not known).
+    ``inputs``: from a replay, the statistics of the op's inputs (what tells an
+    overflowing input from a vanishing variance in a normalization).
     """
 
     step: int
@@ -51,6 +53,7 @@ class Fault:
     source: str | None = None
     deterministic: bool | None = None
     rank: int | None = None
+    inputs: tuple[TensorStats, ...] = field(default=(), compare=False, repr=False)
 
     def __str__(self) -> str:
         where = self.module or "<root>"

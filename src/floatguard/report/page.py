@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import math
 import os
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from floatguard._event_schema import finite as _finite
 from floatguard.diagnose import Finding, diagnose
-from floatguard.events import Event, EventLog, read_events
+from floatguard.events import Event, EventLog, conform_events, read_events
 
 __all__ = ["Verdict", "global_view", "reduce_stats", "render_report", "verdict_of"]
 
@@ -70,12 +72,12 @@ def reduce_stats(tensors_by_rank: list[list[dict[str, Any]]]) -> list[dict[str, 
     fractions weighted by each rank's element count."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for tensors in tensors_by_rank:
-        for t in tensors:
+        for raw in tensors:
+            t = _tensor_fields(raw)
             key = (t["module"], t["role"])
             m = merged.get(key)
             if m is None:
-                merged[key] = {**t, "formats": {f: dict(v) for f, v in t["formats"].items()},
-                               "hist": list(t["hist"])}  # fmt: skip
+                merged[key] = t
                 continue
             n0, n1 = m["numel"], t["numel"]
             for f, v in t["formats"].items():
@@ -83,16 +85,45 @@ def reduce_stats(tensors_by_rank: list[list[dict[str, Any]]]) -> list[dict[str, 
                 for k, x in v.items():
                     if _finite(x) and _finite(mine.get(k)):
                         mine[k] = (mine[k] * n0 + x * n1) / max(n0 + n1, 1)
-            lo = min(m["hist_from"], t["hist_from"])
-            hi = max(m["hist_from"] + len(m["hist"]), t["hist_from"] + len(t["hist"]))
-            hist = [0] * (hi - lo)
-            for src in (m, t):
-                for i, c in enumerate(src["hist"]):
-                    hist[src["hist_from"] - lo + i] += c
-            amax = max(m["amax"], t["amax"]) if _finite(t["amax"]) else t["amax"]
+            if not t["hist"]:
+                hist, lo = m["hist"], m["hist_from"]
+            elif not m["hist"]:
+                hist, lo = t["hist"], t["hist_from"]
+            else:
+                lo = min(m["hist_from"], t["hist_from"])
+                hi = max(m["hist_from"] + len(m["hist"]), t["hist_from"] + len(t["hist"]))
+                hist = [0] * (hi - lo)
+                for src in (m, t):
+                    for i, c in enumerate(src["hist"]):
+                        hist[src["hist_from"] - lo + i] += c
+            a, b = m["amax"], t["amax"]
+            # NaN (a NaN seen) wins, then the larger of what is known
+            known = [x for x in (a, b) if x is not None]
+            amax = a if _is_nan(a) else b if _is_nan(b) else (max(known) if known else None)
             m.update(numel=n0 + n1, nonfinite=m["nonfinite"] + t["nonfinite"],
                      zeros=m["zeros"] + t["zeros"], hist_from=lo, hist=hist, amax=amax)  # fmt: skip
     return list(merged.values())
+
+
+def _is_nan(v: object) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _tensor_fields(t: dict[str, Any]) -> dict[str, Any]:
+    """A stats tensor entry with its optional parts filled (counts 0, no histogram)."""
+
+    def count(k: str) -> int:
+        v = t.get(k)
+        return v if type(v) is int and v >= 0 else 0
+
+    return {
+        **t,
+        "numel": count("numel"), "nonfinite": count("nonfinite"), "zeros": count("zeros"),
+        "formats": {f: dict(v) for f, v in (t.get("formats") or {}).items() if isinstance(v, dict)},
+        "hist": list(t.get("hist") or []),
+        "hist_from": t.get("hist_from") if type(t.get("hist_from")) is int else 0,
+        "amax": t.get("amax"),
+    }  # fmt: skip
 
 
 def global_view(events: list[Event]) -> list[Event]:
@@ -109,7 +140,7 @@ def global_view(events: list[Event]) -> list[Event]:
     stats: dict[int, list[list[dict[str, Any]]]] = {}
     for e in events:
         if e.kind == "stats":
-            stats.setdefault(e.step, []).append(e["tensors"])
+            stats.setdefault(e.step, []).append(e["tensors"] or [])
         elif e.kind in _AGREED:
             if e.rank == lead:
                 out.append(e)
@@ -128,7 +159,11 @@ def _rank_table(events: list[Event]) -> str:
     ranks = _ranks(events)
     if len(ranks) <= 1:
         return ""
-    born = {(e.step, e.fields.get("fault_rank", e.rank)) for e in events if e.kind == "fault"}
+    born = {
+        (e.step, e.rank if e.fields.get("fault_rank") is None else e.fields["fault_rank"])
+        for e in events
+        if e.kind == "fault"
+    }
     rows = []
     for r in ranks:
         mine = [e for e in events if e.rank == r]
@@ -162,7 +197,8 @@ def _rank_stats_table(events: list[Event], ranks: list[int]) -> str:
         if e.kind != "stats":
             continue
         for t in e["tensors"] or []:
-            bad[e.rank] = bad.get(e.rank, 0) + int(t.get("nonfinite", 0))
+            n = t.get("nonfinite")
+            bad[e.rank] = bad.get(e.rank, 0) + (n if type(n) is int else 0)
             if t.get("role") == "output[0]" and _finite(t.get("amax")):
                 row = amax.setdefault(t["module"] or "<root>", {})
                 row[e.rank] = max(row.get(e.rank, 0.0), float(t["amax"]))
@@ -184,11 +220,24 @@ def _rank_stats_table(events: list[Event], ranks: list[int]) -> str:
     )
 
 
-def _finite(v: object) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
+Plots = tuple[dict[str, Path], dict[str, str]]  # the images, and a sentence for each left out
 
 
-def _plots(events: list[Event], out: Path) -> dict[str, Path]:
+def _scale_of(values: list[float]) -> str | None:
+    """The y scale values can be drawn on: "log" when every finite one is > 0, "linear"
+    when some are not (a loss may be negative or zero), None when none is finite."""
+    finite = [v for v in values if _finite(v)]
+    if not finite:
+        return None
+    return "log" if min(finite) > 0 else "linear"
+
+
+def _plottable(v: object) -> float:
+    # matplotlib draws floats; a huge int (a log's) or a non-finite value is a gap
+    return float(v) if _finite(v) and abs(float(v)) < 1e300 else math.nan  # type: ignore[arg-type]
+
+
+def _plots(events: list[Event], out: Path) -> Plots:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,63 +245,96 @@ def _plots(events: list[Event], out: Path) -> dict[str, Path]:
 
     steps = [e for e in events if e.kind == "step"]
     paths: dict[str, Path] = {}
+    notes: dict[str, str] = {}
     if not steps:
-        return paths
-    xs = [e.step for e in steps]
-    loss = [e["loss"] if _finite(e["loss"]) else math.nan for e in steps]
-    norm = [e["grad_norm"] if _finite(e["grad_norm"]) else math.nan for e in steps]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    ax1.plot(xs, loss, lw=1, color="#1f77b4", label="loss")
-    ax2.plot(xs, norm, lw=1, color="#2ca02c", label="gradient norm (before clipping)")
-    marks = {
-        "skipped": ("x", "#ff7f0e"), "rolled_back": ("v", "#d62728"),
-    }  # fmt: skip
-    finite_loss = [v for v in loss if not math.isnan(v)]
-    top = max(finite_loss) if finite_loss else 1.0
-    for action, (marker, color) in marks.items():
-        pts = [(e.step, e["reason"]) for e in steps if e["action"] == action]
-        if pts:
-            ax1.scatter([p for p, _ in pts], [top] * len(pts), marker=marker, color=color,
-                        label=f"{action.replace('_', ' ')} ({len(pts)})", zorder=3)  # fmt: skip
-    fsteps = [e.step for e in events if e.kind == "fault"]
-    for s in fsteps:
-        ax1.axvline(s, color="#d62728", alpha=0.25, lw=1)
-    clipped = [e.step for e in steps if _finite(e["clip_coef"]) and e["clip_coef"] < 1.0]
-    if clipped:
-        ax2.scatter(clipped, [norm[xs.index(s)] for s in clipped], s=6, color="#9467bd",
-                    label=f"clipped ({len(clipped)})", zorder=3)  # fmt: skip
-    ax1.set_yscale("log")
-    ax2.set_yscale("log")
-    ax1.set_ylabel("loss (log scale)")
-    ax2.set_ylabel("gradient norm (log scale)")
-    ax2.set_xlabel("step")
-    ax1.set_title("Loss and gradient norm; red lines: faults")
-    ax1.legend(loc="upper right", fontsize=8)
-    ax2.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    paths["timeline"] = out / "timeline.png"
-    fig.savefig(paths["timeline"], dpi=90)
-    plt.close(fig)
+        notes["timeline"] = "No step events: nothing to plot."
+        return paths, notes
+    xs = [float(e.step) for e in steps]
+    loss = [_plottable(e["loss"]) for e in steps]
+    norm = [_plottable(e["grad_norm"]) for e in steps]
+    panels = [(name, values, scale) for name, values in (("loss", loss), ("gradient norm", norm))
+              if (scale := _scale_of(values)) is not None]  # fmt: skip
+    missing = [name for name in ("loss", "gradient norm") if name not in {p[0] for p in panels}]
+    if missing:
+        notes["timeline"] = (
+            f"No finite {' or '.join(missing)} in {len(steps)} step(s): "
+            + ("every value was non-finite or missing, so there is no curve to draw."
+               if len(missing) == 2 else "that curve is left out.")
+        )  # fmt: skip
+    if panels:
+        fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3 * len(panels)), sharex=True,
+                                 squeeze=False)  # fmt: skip
+        axs = {name: ax for (name, _, _), ax in zip(panels, axes[:, 0], strict=True)}
+        for (name, values, scale), ax in zip(panels, axes[:, 0], strict=True):
+            label = "loss" if name == "loss" else "gradient norm (before clipping)"
+            ax.plot(xs, values, lw=1, color="#1f77b4" if name == "loss" else "#2ca02c",
+                    label=label)  # fmt: skip
+            ax.set_yscale(scale)
+            ax.set_ylabel(f"{name} ({scale} scale)")
+        top_ax = axes[0, 0]
+        first_values = panels[0][1]
+        finite_top = [v for v in first_values if not math.isnan(v)]
+        top = max(finite_top) if finite_top else 1.0
+        for action, (marker, color) in {"skipped": ("x", "#ff7f0e"),
+                                        "rolled_back": ("v", "#d62728")}.items():  # fmt: skip
+            pts = [float(e.step) for e in steps if e["action"] == action]
+            if pts:
+                label = f"{action.replace('_', ' ')} ({len(pts)})"
+                top_ax.scatter(pts, [top] * len(pts), marker=marker, color=color, label=label,
+                               zorder=3)  # fmt: skip
+        for f in (e for e in events if e.kind == "fault"):
+            top_ax.axvline(float(f.step), color="#d62728", alpha=0.25, lw=1)
+        if "gradient norm" in axs:
+            clipped = [
+                (x, v) for x, v, e in zip(xs, norm, steps, strict=True)
+                if _finite(e["clip_coef"]) and e["clip_coef"] < 1.0 and not math.isnan(v)
+            ]  # fmt: skip
+            if clipped:
+                axs["gradient norm"].scatter(
+                    [x for x, _ in clipped], [v for _, v in clipped], s=6, color="#9467bd",
+                    label=f"clipped ({len(clipped)})", zorder=3,
+                )  # fmt: skip
+        axes[-1, 0].set_xlabel("step")
+        top_ax.set_title("Loss and gradient norm; red lines: faults")
+        for ax in axes[:, 0]:
+            ax.legend(loc="upper right", fontsize=8)
+        _save(fig, plt, out / "timeline.png")
+        paths["timeline"] = out / "timeline.png"
     scales = [e["scale"] for e in steps]
-    if any(_finite(s) and s != 1.0 for s in scales):
-        fig, ax = plt.subplots(figsize=(10, 2.8))
-        ax.step(xs, [math.log2(s) if _finite(s) and s > 0 else math.nan for s in scales],
-                where="post", color="#8c564b")  # fmt: skip
-        ax.set_xlabel("step")
-        ax.set_ylabel("log2(loss scale)")
-        ax.set_title("fp16 loss scale")
-        fig.tight_layout()
-        paths["scale"] = out / "scale.png"
-        fig.savefig(paths["scale"], dpi=90)
-        plt.close(fig)
-    return paths
+    if any(_finite(v) and v != 1.0 for v in scales):
+        logs = [math.log2(v) if _finite(v) and v > 0 else math.nan for v in scales]
+        if all(math.isnan(v) for v in logs):
+            notes["scale"] = "The loss scale was never a positive finite number: no plot."
+        else:
+            fig, ax = plt.subplots(figsize=(10, 2.8))
+            ax.step(xs, logs, where="post", color="#8c564b")
+            ax.set_xlabel("step")
+            ax.set_ylabel("log2(loss scale)")
+            ax.set_title("fp16 loss scale")
+            _save(fig, plt, out / "scale.png")
+            paths["scale"] = out / "scale.png"
+    return paths, notes
+
+
+def _save(fig: Any, plt: Any, path: Path) -> None:
+    """Lay out and write a figure; a layout matplotlib cannot compute is drawn as is."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tight_layout's "not compatible" and the like
+        try:
+            fig.tight_layout()
+        except (ValueError, OverflowError):
+            pass
+        fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 # the formats whose windows the exponent histograms are drawn against
 _WINDOWS = ("fp16", "bf16", "e4m3fn", "e5m2")
 
 
-def _stats_plots(events: list[Event], out: Path) -> dict[str, Path]:
+def _stats_plots(events: list[Event], out: Path) -> Plots:
     """Per-layer heatmaps (amax, fp16 underflow) over the sampled steps, and exponent
     histograms of two chosen tensors against each format's representable window."""
     import matplotlib
@@ -263,14 +345,23 @@ def _stats_plots(events: list[Event], out: Path) -> dict[str, Path]:
 
     from floatguard.formats import get
 
-    samples = [e for e in events if e.kind == "stats" and e["tensors"]]
+    samples = [
+        dataclasses.replace(
+            e, fields={**e.fields, "tensors": [_tensor_fields(t) for t in e["tensors"]]}
+        )
+        for e in events
+        if e.kind == "stats" and e["tensors"]
+    ]
     paths: dict[str, Path] = {}
+    notes: dict[str, str] = {}
     if not samples:
-        return paths
+        return paths, notes
     # Activations (module outputs) of the modules seen on every sampled step.
     rows = sorted({(t["module"], t["role"]) for e in samples for t in e["tensors"]
                    if t["role"] == "output[0]" and t["module"]})  # fmt: skip
-    if rows:
+    if not rows:
+        notes["heatmap"] = "No module output among the sampled statistics: no per-layer plot."
+    else:
         amax = np.full((len(rows), len(samples)), np.nan)
         under = np.full((len(rows), len(samples)), np.nan)
         for j, e in enumerate(samples):
@@ -279,8 +370,13 @@ def _stats_plots(events: list[Event], out: Path) -> dict[str, Path]:
                 if key in rows and _finite(t["amax"]) and t["amax"] > 0:
                     i = rows.index(key)
                     amax[i, j] = math.log10(t["amax"])
-                    under[i, j] = t["formats"].get("fp16", {}).get("underflow", math.nan)
-        fig, axes = plt.subplots(1, 2, figsize=(11, 0.32 * len(rows) + 1.8), sharey=True)
+                    u = t["formats"].get("fp16", {}).get("underflow")
+                    under[i, j] = u if _finite(u) else math.nan
+    if rows and np.isnan(amax).all():
+        notes["heatmap"] = "No sampled module output had a positive finite amax: no per-layer plot."
+    elif rows:
+        fig, axes = plt.subplots(1, 2, figsize=(11, min(0.32 * len(rows), 60) + 1.8),
+                                 sharey=True)  # fmt: skip
         for ax, data, title, cmap in (
             (axes[0], amax, "log10 amax of each module's output", "viridis"),
             (axes[1], under, "fraction of the output that underflows in fp16", "magma"),
@@ -298,16 +394,20 @@ def _stats_plots(events: list[Event], out: Path) -> dict[str, Path]:
             fig.colorbar(im, ax=ax, fraction=0.04)
         axes[0].set_yticks(range(len(rows)))
         axes[0].set_yticklabels([m for m, _ in rows], fontsize=7)
-        fig.tight_layout()
+        _save(fig, plt, out / "heatmap.png")
         paths["heatmap"] = out / "heatmap.png"
-        fig.savefig(paths["heatmap"], dpi=90)
-        plt.close(fig)
     last = samples[-1]["tensors"]
     acts = [t for t in last if t["role"] == "output[0]" and t["hist"]]
     grads = [t for t in last if t["role"].endswith(".grad") and t["hist"]]
-    chosen = [c for c in (max(acts, key=lambda t: t["amax"], default=None),
+
+    def size(t: dict[str, Any]) -> float:
+        return float(t["amax"]) if _finite(t["amax"]) else -math.inf
+
+    chosen = [c for c in (max(acts, key=size, default=None),
                           min(grads, key=lambda t: t["hist_from"], default=None)) if c]  # fmt: skip
-    if chosen:
+    if not chosen:
+        notes["histograms"] = "The last sample holds no exponent histogram: no plot."
+    else:
         fig, axes = plt.subplots(len(chosen), 1, figsize=(10, 2.6 * len(chosen)), squeeze=False)
         colors = ("#1f77b4", "#2ca02c", "#d62728", "#9467bd")
         for ax, t in zip(axes[:, 0], chosen, strict=True):
@@ -326,11 +426,9 @@ def _stats_plots(events: list[Event], out: Path) -> dict[str, Path]:
                          fontsize=9)  # fmt: skip
             ax.set_xlim(min(xs[0], -40) - 1, max(xs[-1], 20) + 2)
             ax.legend(fontsize=7, loc="upper left")
-        fig.tight_layout()
+        _save(fig, plt, out / "histograms.png")
         paths["histograms"] = out / "histograms.png"
-        fig.savefig(paths["histograms"], dpi=90)
-        plt.close(fig)
-    return paths
+    return paths, notes
 
 
 _CSS = """
@@ -353,6 +451,17 @@ def _e(v: object) -> str:
 def _img(path: Path, alt: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return f'<img src="data:image/png;base64,{data}" alt="{_e(alt)}">'
+
+
+def _figure(plots: dict[str, Path], notes: dict[str, str], name: str, alt: str) -> str:
+    """The plot ``name``, and the sentence said instead of (or beside) what it could not
+    draw; nothing when the run has nothing of the kind."""
+    parts = []
+    if name in plots:
+        parts.append(_img(plots[name], alt))
+    if name in notes:
+        parts.append(f"<p class='muted'>{_e(notes[name])}</p>")
+    return "".join(parts)
 
 
 def _fault_cards(events: list[Event]) -> str:
@@ -423,7 +532,7 @@ def render_report(
         events = [e for p in paths for e in read_events(p, errors=problems)]
         origin = ", ".join(str(p) for p in paths)
     else:
-        events = [e for e in items if isinstance(e, Event)]
+        events = conform_events(items, problems)  # type: ignore[arg-type]
         origin = "events"
         logs: dict[int, EventLog] = {}
         for e in events:
@@ -437,8 +546,10 @@ def render_report(
     events = global_view(every_rank)
     verdict = verdict_of(events)
     found = diagnose(events)
-    plots = _plots(events, out)
-    plots.update(_stats_plots(events, out))
+    plots, notes = _plots(events, out)
+    more, more_notes = _stats_plots(events, out)
+    plots.update(more)
+    notes.update(more_notes)
     counts: dict[str, int] = {}
     for e in every_rank:
         counts[e.kind] = counts.get(e.kind, 0) + 1
@@ -454,14 +565,12 @@ def render_report(
         f"<div class='verdict {verdict.state}'>{_e(verdict.text)}</div>",
         _rank_table(every_rank),
         "<h2>Timeline</h2>",
-        _img(plots["timeline"], "loss and gradient norm over steps") if "timeline" in plots
-        else "<p>No step events.</p>",
-        _img(plots["scale"], "loss scale over steps") if "scale" in plots else "",
-        "<h2>Layers</h2>" if "heatmap" in plots or "histograms" in plots else "",
-        _img(plots["heatmap"], "per-layer amax and fp16 underflow over sampled steps")
-        if "heatmap" in plots else "",
-        _img(plots["histograms"], "exponent histograms against format windows")
-        if "histograms" in plots else "",
+        _figure(plots, notes, "timeline", "loss and gradient norm over steps"),
+        _figure(plots, notes, "scale", "loss scale over steps"),
+        "<h2>Layers</h2>" if any(k in plots or k in notes for k in ("heatmap", "histograms"))
+        else "",
+        _figure(plots, notes, "heatmap", "per-layer amax and fp16 underflow over sampled steps"),
+        _figure(plots, notes, "histograms", "exponent histograms against format windows"),
         f"<h2>Faults ({verdict.faults})</h2>",
         _fault_cards(events),
         f"<h2>Diagnosis ({len(found)})</h2>",
