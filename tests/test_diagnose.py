@@ -288,3 +288,21 @@ def test_spikes_told_apart_by_their_replay() -> None:
 def test_a_huge_loss_window_is_diagnosed_without_overflow() -> None:
     huge = steps([1e308] * 25 + [1.7e308] * 25)
     assert all(f.rule != "rule_failed" for f in diagnose(huge))
+
+
+def test_a_cap_that_clips_most_steps_is_named_with_its_value() -> None:
+    run = ev("run", 0, precision="fp32", loss_scaling=False, param_dtypes=["float32"],
+             optimizer="AdamW", world_size=1,
+             clip={"kind": "zclip", "max_norm": 1.0, "z_thresh": 2.5})  # fmt: skip
+    norms = [3.0] * 36 + [30.0] * 4  # healthy norms above the cap; 4 z-score outliers
+    coefs = [1.0 / (3.0 + 1e-6)] * 36 + [0.2] * 4  # capped to 1.0; outliers to 6.0
+    evs = [run, *(ev("step", i, action="applied", loss=1.0, grad_norm=n, clip_coef=c,
+                     scale=1.0, lr_factor=1.0)
+                  for i, (n, c) in enumerate(zip(norms, coefs, strict=True)))]  # fmt: skip
+    f = next(x for x in diagnose(evs) if x.rule == "clipped_most_steps")
+    assert "36 of 40 applied steps clipped to the cap 1" in f.evidence
+    assert "4 more by ZClip's z-score" in f.evidence and "max_grad_norm=None" in f.fix
+    few = [run, *evs[1:21], *(ev("step", i, action="applied", loss=1.0, grad_norm=0.5,
+                                  clip_coef=1.0, scale=1.0, lr_factor=1.0)
+                               for i in range(21, 60))]  # fmt: skip
+    assert "clipped_most_steps" not in [x.rule for x in diagnose(few)]

@@ -23,7 +23,7 @@ __all__ = ["FIELD_TYPES", "STATS_TENSOR_TYPES", "conform_fields"]
 FIELD_TYPES: dict[str, dict[str, str]] = {
     "run": {
         "precision": "str", "loss_scaling": "bool", "param_dtypes": "list",
-        "optimizer": "str?", "world_size": "int",
+        "optimizer": "str?", "world_size": "int", "clip": "dict?",
     },
     "step": {
         "action": "str", "reason": "str?", "loss": "num?", "grad_norm": "num?",

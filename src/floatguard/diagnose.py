@@ -57,6 +57,8 @@ class RunInfo:
     precision: str | None
     loss_scaling: bool | None
     param_dtypes: tuple[str, ...]
+    clip_kind: str | None = None  # "zclip", "norm", "value", "none"; None: not in the log
+    clip_cap: float | None = None  # the absolute cap on the gradient norm (None: none, or unknown)
 
     @property
     def weights_16bit(self) -> str | None:
@@ -95,10 +97,31 @@ def run_info(events: Iterable[Event]) -> RunInfo:
         precision = r.get("precision") if r.get("precision") in ("fp32", "bf16", "fp16") else None
         scaling = r.get("loss_scaling") if isinstance(r.get("loss_scaling"), bool) else None
         dtypes = tuple(str(d) for d in r.get("param_dtypes") or [] if isinstance(d, str))
-        return RunInfo(precision, scaling, dtypes)
+        clip: dict[str, Any] = r["clip"] if isinstance(r.get("clip"), dict) else {}
+        kind = clip.get("kind") if isinstance(clip.get("kind"), str) else None
+        cap = float(clip["max_norm"]) if _finite(clip.get("max_norm")) else None
+        return RunInfo(precision, scaling, dtypes, kind, cap if cap and cap > 0 else None)
     scaled = any(_finite(e.fields.get("scale")) and e.fields["scale"] > 1.0
                  for e in evs if e.kind == "step")  # fmt: skip
     return RunInfo(None, True if scaled else None, ())
+
+
+def clipped_steps(events: Iterable[Event], info: RunInfo) -> tuple[list[Event], list[Event]]:
+    """The applied steps whose gradient was clipped: by the absolute cap (the clipped
+    norm, grad_norm * clip_coef, equals ``info.clip_cap``) and by ZClip's z-score (the
+    rest). Without a known cap, every clipped step is in the second list."""
+    by_cap: list[Event] = []
+    by_z: list[Event] = []
+    for e in events:
+        if e.kind != "step" or e["action"] != "applied":
+            continue
+        coef, norm = e["clip_coef"], e["grad_norm"]
+        if not (_finite(coef) and coef < 1.0 and _finite(norm)):
+            continue
+        cap = info.clip_cap
+        at_cap = cap is not None and abs(norm * coef - cap) <= 1e-3 * cap
+        (by_cap if at_cap else by_z).append(e)
+    return by_cap, by_z
 
 
 Rule = Callable[[list[Event]], list[Finding]]
@@ -766,6 +789,34 @@ def fp16_divergence(events: list[Event]) -> list[Finding]:
         "missing fp32 master copy of the weights, no loss scaling)",
         "keep fp32 master weights (MasterWeights), lower the LR, or train in bf16",
         3, (bad[0],),
+    )]  # fmt: skip
+
+
+@_rule
+def clipped_most_steps(events: list[Event]) -> list[Finding]:
+    """The absolute cap clips most healthy steps: the cap, not the adaptive rule, then
+    sets every update's size (like a lower learning rate)."""
+    info = run_info(events)
+    if info.clip_cap is None:
+        return []
+    applied = [e for e in _steps(events) if e["action"] == "applied"]
+    by_cap, by_z = clipped_steps(applied, info)
+    if len(applied) < 20 or len(by_cap) < 0.5 * len(applied):
+        return []
+    norms = sorted(e["grad_norm"] for e in by_cap)
+    what = "ZClip's absolute cap (max_grad_norm)" if info.clip_kind == "zclip" else "the cap"
+    return [Finding(
+        "clipped_most_steps", "The gradient-norm cap clips most steps",
+        f"{len(by_cap)} of {len(applied)} applied steps clipped to the cap "
+        f"{info.clip_cap:g} (median norm before clipping {norms[len(norms) // 2]:.3g})"
+        + (f"; {len(by_z)} more by ZClip's z-score" if by_z else ""),
+        f"{what} is below this model's usual gradient norm, so every update is scaled "
+        "down to it: the cap, not the z-score, sets the step size (as a lower learning rate "
+        "would). A cap of 1.0 is the common LLM default (GPT-3, Llama, ZClip's own); on a "
+        "small model or a summed loss the norm is often larger",
+        "if that is not intended, raise the cap above the healthy norm or drop it "
+        "(ClipPolicy(zclip=ZClipConfig(max_grad_norm=None)) lets ZClip adapt alone)",
+        1, (),
     )]  # fmt: skip
 
 

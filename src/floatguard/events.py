@@ -50,7 +50,7 @@ _MAX_DEPTH = 32
 EVENT_FIELDS: dict[str, frozenset[str]] = {
     k: frozenset(v)
     for k, v in {
-        "run": ("precision", "loss_scaling", "param_dtypes", "optimizer", "world_size"),
+        "run": ("precision", "loss_scaling", "param_dtypes", "optimizer", "world_size", "clip"),
         "step": ("action", "reason", "loss", "grad_norm", "clip_coef", "scale", "lr_factor"),
         "fault": (
             "phase", "module", "tensor", "kind_of_value", "shape", "op", "source",

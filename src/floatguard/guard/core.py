@@ -203,7 +203,7 @@ class Guard(GuardPersistence):
         # vetted): weights a user loads after building the guard (a fine-tune's
         # pretrained weights, a resume through load_state_dict) are the ones kept.
         self._snapshot_pending = True
-        self._emit.run(precision, self._scaler.enabled, model, optimizer, process_group)
+        self._emit.run(precision, self._scaler.enabled, model, optimizer, process_group, self._clip)
 
     # ------------------------------------------------------ read-only views
     model = property(lambda self: self._model)

@@ -9,11 +9,24 @@ import torch
 from floatguard.events import EventLog
 from floatguard.guard.types import StepResult
 from floatguard.monitor.localize import Fault
+from floatguard.stability.respond import ClipPolicy
 from floatguard.stats import TensorStats
 
-__all__ = ["GuardEvents", "input_amax", "stats_fields"]
+__all__ = ["GuardEvents", "clip_fields", "input_amax", "stats_fields"]
 
 _STATS = ("numel", "nan", "posinf", "neginf", "zeros", "amax", "min", "max")
+
+
+def clip_fields(clip: ClipPolicy) -> dict[str, Any]:
+    """The clipping a run uses, for its ``run`` event: the kind and the absolute cap on
+    the gradient norm (``max_norm``: ClipPolicy.max_norm, or ZClip's max_grad_norm; None:
+    no cap), and ZClip's z threshold."""
+    if clip.kind == "zclip":
+        return {"kind": "zclip", "max_norm": clip.zclip.max_grad_norm,
+                "z_thresh": clip.zclip.z_thresh}  # fmt: skip
+    if clip.kind == "norm":
+        return {"kind": "norm", "max_norm": clip.max_norm, "z_thresh": None}
+    return {"kind": clip.kind, "max_norm": None, "z_thresh": None}
 
 
 def input_amax(inputs: tuple[TensorStats, ...]) -> float | None:
@@ -50,9 +63,11 @@ class GuardEvents:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         process_group: Any,
+        clip: ClipPolicy,
     ) -> None:
         """What the run computes in, for the diagnosis: autocast precision, loss scaling,
-        the parameters' dtypes (16-bit weights: no fp32 master copy), the optimizer."""
+        the parameters' dtypes (16-bit weights: no fp32 master copy), the optimizer, and
+        the clipping (its absolute cap: the report tells cap clipping from ZClip's)."""
         import torch.distributed as dist
 
         world = (
@@ -69,6 +84,7 @@ class GuardEvents:
             param_dtypes=dtypes,
             optimizer=type(optimizer).__name__,
             world_size=int(world),
+            clip=clip_fields(clip),
         )
 
     def step(self, result: StepResult) -> None:

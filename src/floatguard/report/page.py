@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from floatguard._event_schema import finite as _finite
-from floatguard.diagnose import Finding, diagnose
+from floatguard.diagnose import Finding, RunInfo, clipped_steps, diagnose, run_info
 from floatguard.events import Event, EventLog, conform_events, read_events
 
 __all__ = ["Verdict", "global_view", "reduce_stats", "render_report", "verdict_of"]
@@ -285,15 +285,24 @@ def _plots(events: list[Event], out: Path) -> Plots:
         for f in (e for e in events if e.kind == "fault"):
             top_ax.axvline(float(f.step), color="#d62728", alpha=0.25, lw=1)
         if "gradient norm" in axs:
-            clipped = [
-                (x, v) for x, v, e in zip(xs, norm, steps, strict=True)
-                if _finite(e["clip_coef"]) and e["clip_coef"] < 1.0 and not math.isnan(v)
-            ]  # fmt: skip
-            if clipped:
-                axs["gradient norm"].scatter(
-                    [x for x, _ in clipped], [v for _, v in clipped], s=6, color="#9467bd",
-                    label=f"clipped ({len(clipped)})", zorder=3,
-                )  # fmt: skip
+            info = run_info(events)
+            by_cap, by_z = clipped_steps(steps, info)
+            cap = info.clip_cap
+            for group, label, color in (
+                (by_z, "clipped by ZClip's z-score" if cap is not None else "clipped", "#9467bd"),
+                (by_cap, f"clipped to the cap {cap:g}" if cap is not None else "", "#bcbd22"),
+            ):
+                marks = [(float(e.step), _plottable(e["grad_norm"])) for e in group]
+                if marks:
+                    axs["gradient norm"].scatter(
+                        [x for x, _ in marks], [v for _, v in marks], s=6, color=color,
+                        label=f"{label} ({len(marks)})", zorder=3,
+                    )  # fmt: skip
+            if info.clip_cap is not None and by_cap:
+                axs["gradient norm"].axhline(info.clip_cap, color="#bcbd22", lw=0.8, ls="--")
+                notes["timeline"] = (notes.get("timeline", "") + " " + _cap_sentence(
+                    info, len(by_cap), len(by_z), sum(e["action"] == "applied" for e in steps)
+                )).strip()  # fmt: skip
         axes[-1, 0].set_xlabel("step")
         top_ax.set_title("Loss and gradient norm; red lines: faults")
         for ax in axes[:, 0]:
@@ -314,6 +323,18 @@ def _plots(events: list[Event], out: Path) -> Plots:
             _save(fig, plt, out / "scale.png")
             paths["scale"] = out / "scale.png"
     return paths, notes
+
+
+def _cap_sentence(info: RunInfo, at_cap: int, by_z: int, applied: int) -> str:
+    """What the clipping marks mean: the cap, and why it is there."""
+    who = "ZClip's absolute cap (max_grad_norm)" if info.clip_kind == "zclip" else "The cap"
+    return (
+        f"Clipping: {who} is {info.clip_cap:g}, the common LLM default (GPT-3, Llama, "
+        f"ZClip's own); it clipped {at_cap} of {applied} applied steps"
+        + (f", ZClip's z-score {by_z} more" if by_z else "")
+        + ". A cap below the usual norm scales every update down (as a lower LR would): "
+        "raise it, or set it to None to let ZClip adapt alone."
+    )
 
 
 def _save(fig: Any, plt: Any, path: Path) -> None:
