@@ -37,7 +37,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 demo: $(STAMP)
-	$(VENV)/bin/floatguard demo --out floatguard-demo
+	$(VENV)/bin/floatguard demo --out floatguard-demo --force
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quantize.py

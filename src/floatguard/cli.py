@@ -1,13 +1,23 @@
-"""The ``floatguard`` command line: ``demo``, ``report``, ``diagnose``, ``formats``, ``explain``.
+"""The ``floatguard`` command line: ``demo``, ``report``, ``diagnose``, ``audit``,
+``formats``, ``explain``.
 
-User mistakes (a bad option, a missing file, an unwritable folder, an unknown
-command) are one red line on stderr and exit code 2, never a traceback.
+User mistakes (a bad option, a missing file, an unwritable or full folder, an unknown
+command, an audit target that fails) are one red line on stderr and exit code 2,
+never a traceback. Anything else is floatguard's bug: one line saying so, exit code
+1, and ``--debug`` (anywhere on the line) or ``FLOATGUARD_DEBUG=1`` shows the
+traceback. Ctrl-C prints "interrupted" and exits 130.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,7 +25,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperCommand
 
+from floatguard.demo.lines import EventLines, printable
+from floatguard.demo.run import FAULTS, MAX_SEED, MAX_STEPS, MIN_STEPS
 from floatguard.formats import FORMATS, explain, get
 from floatguard.formats.explain import parse_value
 
@@ -30,12 +43,59 @@ _out = Console(highlight=False)
 if not _out.is_terminal:
     _out = Console(highlight=False, width=160)  # piped output: don't squeeze tables to 80
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
+_DEBUG_ENV = "FLOATGUARD_DEBUG"
+# what a full, read-only or forbidden disk raises: the user's to fix, not a bug
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
 
 
-def _fail(message: str) -> typer.Exit:
-    """Report a user mistake as one red line; the caller raises the returned Exit(2)."""
-    _err.print(f"[red]error:[/red] {message}", markup=True)
-    return typer.Exit(code=2)
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    """Report a user mistake as one red line; the caller raises the returned Exit(2).
+
+    The message is made printable (a value from the command line may hold an ESC or
+    a newline) and shown as text, not rich markup (a ``[/x]`` in it stays as typed)."""
+    _err.print(f"[red]error:[/red] {escape(printable(message, 2000))}", markup=True)
+    return typer.Exit(code=code)
+
+
+def _what(e: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    text = str(e)
+    return f"{type(e).__name__}: {printable(text, 300)}" if text else type(e).__name__
+
+
+def _write_failed(e: OSError, fallback: Path) -> typer.Exit:
+    """One line for a write that failed (a full, read-only or forbidden disk)."""
+    where = e.filename if e.filename else fallback
+    return _fail(f"cannot write {str(where)!r}: {e.strerror or e}")
+
+
+class _TargetFailed(Exception):
+    """The user's code (an audit target's model or loss_fn) raised during the audit: one
+    line naming the target, and the traceback with --debug; not floatguard's bug."""
+
+
+@app.callback()
+def _root(
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help=f"On an internal error, show the traceback (also {_DEBUG_ENV}=1; "
+            "accepted anywhere on the line).",
+        ),
+    ] = False,
+) -> None:
+    """Keep deep-learning training numerically healthy."""
+    # --debug is read by main() before the command line is parsed, so that it works
+    # after the command too; it is declared here for --help
+
+
+def _out_dir(value: str, option: str = "--out") -> Path:
+    """The folder an --out names; an empty one is refused (Path("") is the current
+    folder, and a demo would then replace ./events.jsonl without a word)."""
+    if not value.strip():
+        raise _fail(f"{option} is empty; give a folder, e.g. {option} floatguard-demo")
+    return Path(value)
 
 
 def _num(v: float | None) -> str:
@@ -83,7 +143,47 @@ def formats(
     _out.print(table)
 
 
-@app.command(name="explain", context_settings={"ignore_unknown_options": True})
+def _looks_negative(arg: str) -> bool:
+    """A command-line word that is a negative number (``-inf``, ``-0x1.fp3``, ``-.5``),
+    not a cluster of short options."""
+    rest = arg[1:].lower()
+    return arg.startswith("-") and (
+        rest[:1].isdigit() or rest[:1] == "." or rest[:3] in ("inf", "nan")
+    )
+
+
+class _ValueFirst(TyperCommand):
+    """``explain``'s parser. Click reads ``-inf`` as the options ``-i -n -f`` (and ``-f``
+    then eats the next word); a VALUE that is a negative number is moved behind a
+    ``--``, where it can only be the argument. ``explain -- -inf`` works as usual."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # ctx: click's Context
+        if "--" not in args:
+            for i, arg in enumerate(args):
+                taken = i > 0 and args[i - 1] in ("-f", "--format")  # a --format's value
+                if _looks_negative(arg) and not taken:
+                    args = [*args[:i], *args[i + 1 :], "--", arg]
+                    break
+        return super().parse_args(ctx, args)
+
+
+def _formats_named(spec: str) -> list[Any]:
+    """The formats of a --format list, each looked up by name; ValueError names the bad one."""
+    names = [n for n in (s.strip() for s in spec.split(",")) if n]
+    if not names:
+        raise ValueError("--format is empty; give e.g. --format fp32,bf16")
+    found = []
+    for name in names:
+        try:
+            found.append(get(name))
+        except OverflowError:  # an eXmY whose widths no int holds: e99999999999999999999m1
+            raise ValueError(
+                f"--format {name!r}: its widths are out of range (eXmY goes up to e11m52)"
+            ) from None
+    return found
+
+
+@app.command(name="explain", cls=_ValueFirst, context_settings={"ignore_unknown_options": True})
 def explain_cmd(
     value: Annotated[str, typer.Argument(help="A number: 0.1, 1e-8, 0x1.cp8, inf, nan.")],
     fmt: Annotated[
@@ -92,14 +192,14 @@ def explain_cmd(
     ] = "fp32,bf16,fp16,e4m3fn",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Explain how VALUE is stored in each format: bits, class, error, neighbours."""
+    """Explain how VALUE is stored in each format: bits, class, error, neighbours.
+
+    A negative VALUE may come first or last: ``explain -inf -f fp16``, or after
+    ``--``: ``explain -f fp16 -- -inf``."""
     try:
         v = parse_value(value)
-        names = [n for n in (s.strip() for s in fmt.split(",")) if n]
-        if not names:
-            raise ValueError("--format is empty; give e.g. --format fp32,bf16")
-        results = [explain(v, get(n)) for n in names]
-    except (ValueError, TypeError) as e:
+        results = [explain(v, f) for f in _formats_named(fmt)]
+    except (ValueError, TypeError, OverflowError) as e:
         raise _fail(str(e)) from None
     if as_json:
         # strict JSON: non-finite floats tagged as the event stream writes them
@@ -108,7 +208,8 @@ def explain_cmd(
         print(json.dumps(encode_value([r.to_dict() for r in results]), default=str))
         return
     # Formats side by side: one column each, one row per property.
-    table = Table(title=f"{value} stored in {', '.join(r.format for r in results)}")
+    title = f"{printable(value, 60)} stored in {', '.join(r.format for r in results)}"
+    table = Table(title=escape(title))
     table.add_column("")
     for r in results:
         table.add_column(r.format, justify="right")
@@ -131,8 +232,19 @@ def explain_cmd(
     _out.print(table)
 
 
-def _live_demo(**kwargs: Any) -> Any:
-    """Run the demo with a rich progress bar; events print above it as they happen."""
+def _show(lines: EventLines) -> Callable[[Any], None]:
+    """The demo's event listener: each event's lines (if any) printed as they come;
+    above the progress bar in the live view, as log lines with --no-live."""
+
+    def on_event(ev: Any) -> None:
+        for line in lines.feed(ev):
+            _out.print(line.text, style=line.style or None, markup=False, soft_wrap=True)
+
+    return on_event
+
+
+def _live_demo(lines: EventLines, **kwargs: Any) -> Any:
+    """Run the demo with a rich progress bar; event lines print above it."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from floatguard.demo.run import run_demo
@@ -153,72 +265,99 @@ def _live_demo(**kwargs: Any) -> Any:
             status += f"  scale {r.scale:g}  |g| {r.grad_norm:.3g}"
         progress.update(task, completed=step + 1, status=status)
 
-    def on_event(ev: Any) -> None:
-        if ev.kind in ("step", "snapshot"):
-            if ev.kind != "step" or ev["action"] == "applied":
-                return
-            progress.console.print(
-                f"step {ev.step}: [yellow]{ev['action']}[/yellow] ({ev['reason']})", markup=True
-            )
-            return
-        text = ", ".join(f"{k}={v}" for k, v in ev.fields.items() if v is not None)
-        progress.console.print(f"step {ev.step}: [red]{ev.kind}[/red] {escape(text)}", markup=True)
-
     with progress:
-        return run_demo(on_step=on_step, on_event=on_event, **kwargs)
+        return run_demo(on_step=on_step, on_event=_show(lines), **kwargs)
+
+
+def _demo_log(out: Path, force: bool) -> Path:
+    """``out/events.jsonl``, ready to be written: the folder made and probed with a
+    byte; a log already there (an earlier run's) refused unless ``force``."""
+    log = out / "events.jsonl"
+    try:
+        if (log.exists() or log.is_symlink()) and not force:
+            raise _fail(
+                f"{str(log)!r} holds an earlier run's event log; pass --force to replace "
+                "it, or choose another --out"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        probe = out / ".floatguard-write-test"
+        probe.write_text("x")  # a byte: a full disk refuses it now, not mid-run
+        probe.unlink()
+    except OSError as e:
+        raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
+    return log
 
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(help="Training steps (>= 20).")] = 400,
+    steps: Annotated[int, typer.Option(help=f"Training steps, {MIN_STEPS}..{MAX_STEPS:,}.")] = 400,
     precision: Annotated[
         str, typer.Option(help="fp16 (with loss scaling), bf16 or fp32.")
     ] = "fp16",
     faults: Annotated[
         str, typer.Option(help="default, none, or names: corrupt_batch,bit_flip,masked_row,...")
     ] = "default",
-    seed: Annotated[int, typer.Option(help="Seed of the model, the data and the schedule.")] = 0,
-    out: Annotated[Path, typer.Option(help="Folder for the report.")] = Path("floatguard-demo"),
+    seed: Annotated[
+        int, typer.Option(help="Seed of the model, the data and the schedule (0..2**63-1).")
+    ] = 0,
+    out: Annotated[str, typer.Option(help="Folder for the report.")] = "floatguard-demo",
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an earlier run's events.jsonl in --out.")
+    ] = False,
     unguarded: Annotated[
         bool, typer.Option("--unguarded", help="The same schedule without the guard.")
     ] = False,
     no_live: Annotated[bool, typer.Option("--no-live", help="Log lines, no live view.")] = False,
 ) -> None:
     """Train a tiny GPT under fp16 with a fault schedule; find, localize and answer each fault."""
-    from floatguard.demo.run import FAULTS, run_demo, schedule_for
+    from floatguard.demo.run import run_demo, schedule_for
 
     if precision not in ("fp16", "bf16", "fp32"):
         raise _fail(f"--precision {precision!r}; use fp16, bf16 or fp32")
-    if steps < 20:
-        raise _fail(f"--steps {steps}: the fault schedule needs at least 20 steps")
+    if not MIN_STEPS <= steps <= MAX_STEPS:
+        raise _fail(
+            f"--steps {steps}: use {MIN_STEPS}..{MAX_STEPS:,} (the fault schedule needs "
+            f"{MIN_STEPS}; more is a training job, not a demo)"
+        )
+    if not 0 <= seed <= MAX_SEED:
+        raise _fail(f"--seed {seed}: use an int in 0..{MAX_SEED} (torch seeds are 64-bit)")
     names = {"default": list(FAULTS), "none": []}.get(faults)
     if names is None:
         names = [f.strip() for f in faults.split(",") if f.strip()]
         unknown = [f for f in names if f not in FAULTS]
         if unknown:
             raise _fail(f"--faults: unknown fault {unknown[0]!r}; known: {', '.join(FAULTS)}")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        log = out / "events.jsonl"
-        log.unlink(missing_ok=True)
-        probe = out / ".floatguard-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
+    folder = _out_dir(out)
+    log = _demo_log(folder, force)
     kwargs: dict[str, Any] = dict(
         steps=steps, precision=precision, faults=names, seed=seed, guarded=not unguarded, log=log
     )
     what = "unguarded (GradScaler + clip_grad_norm_)" if unguarded else "guarded"
     plan = ", ".join(f"{k} @ {v}" for k, v in schedule_for(steps, names).items()) or "none"
     _out.print(f"floatguard demo: tiny GPT, {precision}, {steps} steps, {what}; faults: {plan}")
-    result = run_demo(**kwargs) if no_live else _live_demo(**kwargs)
+    lines = EventLines(fmt="bf16" if precision == "bf16" else "fp16")
+    with warnings.catch_warnings():  # a log that cannot be written: said below, in one line
+        warnings.filterwarnings("ignore", message="floatguard: cannot write events")
+        if no_live:
+            result = run_demo(on_event=_show(lines), **kwargs)
+        else:
+            result = _live_demo(lines, **kwargs)
+    for line in lines.close():
+        _out.print(line.text, style=line.style or None, markup=False, soft_wrap=True)
+    if result.log_error is not None:
+        why = re.sub(r"^\[Errno \d+\] ", "", result.log_error)
+        ran = len(result.losses) - 1
+        raise _fail(f"cannot write {str(log)!r}: {why}; the run stopped at step {ran}")
     from floatguard.diagnose import diagnose
     from floatguard.events import read_events
     from floatguard.report import render_report
 
-    index = render_report(log, out, title=f"floatguard demo ({what})")
-    found = diagnose(read_events(log))
+    try:
+        index = render_report(log, folder, title=f"floatguard demo ({what})")
+        found = diagnose(read_events(log))
+    except OSError as e:
+        raise _write_failed(e, folder) from None
     _out.print(f"\ntask accuracy (next token, positions 2..): {result.accuracy:.3f}")
     _out.print(f"final loss: {result.final_loss:.4f}; weights finite: {result.finite}")
     if result.died_at is not None:
@@ -265,18 +404,19 @@ def report(
             "rank, or one merged log.",
         ),
     ],
-    out: Annotated[Path, typer.Option(help="Folder for index.html and the plots.")] = Path(
-        "floatguard-report"
-    ),
+    out: Annotated[
+        str, typer.Option(help="Folder for index.html and the plots.")
+    ] = "floatguard-report",
 ) -> None:
     """Render a run's event log(s) into the report: index.html and PNG plots."""
     from floatguard.report import render_report
 
+    folder = _out_dir(out, "--out")
     problems = [p for run in runs for p in _events_of(run)[1]]
     try:
-        index = render_report(list(runs), out)
+        index = render_report(list(runs), folder)
     except OSError as e:
-        raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
+        raise _write_failed(e, folder) from None
     for p in problems:
         _err.print(f"[yellow]skipped[/yellow] {escape(p)}", markup=True)
     _out.print(f"report: {index}")
@@ -300,8 +440,16 @@ def diagnose_cmd(
     _print_findings(found)
 
 
+def _brief(v: object) -> str:
+    """What a value is, in a few words: ``int 1``, ``str 'gpt'``, ``tuple (1, 2)``."""
+    return f"{type(v).__name__} {printable(repr(v), 60)}"
+
+
 def _load_target(target: str) -> tuple[Any, list[Any], Any]:
-    """(model, batches, loss_fn) of an audit TARGET: a built-in name or module:function."""
+    """(model, batches, loss_fn) of an audit TARGET: a built-in name or module:function.
+
+    Whatever the function does (raises, even SystemExit; returns the wrong thing) is
+    one red line naming the target and what it did; Ctrl-C is still Ctrl-C."""
     import importlib
 
     import torch
@@ -325,18 +473,42 @@ def _load_target(target: str) -> tuple[Any, list[Any], Any]:
         raise _fail(f"TARGET {target!r}: give package.module:function or a built-in (tiny-gpt)")
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise _fail(f"TARGET {target!r}: cannot import it ({e})") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # ImportError, or the module's own code failing on import
+        raise _fail(f"TARGET {target!r}: cannot import it ({_what(e)})") from None
     if not callable(fn):
         raise _fail(f"TARGET {target!r} is not a function")
     try:
         got = fn()
-    except Exception as e:  # the user's function failed: say so in one line
-        raise _fail(f"TARGET {target!r} raised {type(e).__name__}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the user's function failed (even by sys.exit): one line
+        raise _fail(f"TARGET {target!r} raised {_what(e)}") from None
     if not isinstance(got, tuple) or len(got) not in (2, 3):
-        raise _fail(f"TARGET {target!r} must return (model, batches) or (model, batches, loss_fn)")
-    model, batches = got[0], list(got[1])
-    return model, batches, got[2] if len(got) == 3 else None
+        raise _fail(
+            f"TARGET {target!r} returned {_brief(got)}; it must return (model, batches) "
+            "or (model, batches, loss_fn)"
+        )
+    model, given, loss_fn = got[0], got[1], got[2] if len(got) == 3 else None
+    if not isinstance(model, torch.nn.Module):
+        raise _fail(f"TARGET {target!r} returned {_brief(model)} as the model; "
+                    "give a torch.nn.Module")  # fmt: skip
+    if isinstance(given, (str, bytes, torch.Tensor)) or not isinstance(given, Iterable):
+        raise _fail(f"TARGET {target!r} returned {_brief(given)} as the batches; give a list "
+                    "of batches (a tensor alone: [x])")  # fmt: skip
+    try:
+        batches = list(given)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        raise _fail(f"TARGET {target!r}: reading its batches raised {_what(e)}") from None
+    if not batches:
+        raise _fail(f"TARGET {target!r} returned no batches; give one at least")
+    if loss_fn is not None and not callable(loss_fn):
+        raise _fail(f"TARGET {target!r} returned {_brief(loss_fn)} as the loss_fn; "
+                    "give a function (model, batch) -> loss, or leave it out")  # fmt: skip
+    return model, batches, loss_fn
 
 
 @app.command(name="audit")
@@ -345,17 +517,25 @@ def audit_cmd(
         str,
         typer.Argument(help="package.module:function -> (model, batches[, loss_fn]), or tiny-gpt."),
     ],
-    out: Annotated[Path, typer.Option(help="Folder for audit.html.")] = Path("floatguard-audit"),
+    out: Annotated[str, typer.Option(help="Folder for audit.html.")] = "floatguard-audit",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Precision-readiness audit: per layer, what each format and FP8 recipe would lose."""
     from floatguard.audit import audit
 
+    folder = _out_dir(out)
     model, batches, loss_fn = _load_target(target)
     try:
         report = audit(model, batches, loss_fn=loss_fn)
     except (ValueError, TypeError) as e:
         raise _fail(f"TARGET {target!r}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # most likely the target's model or loss_fn: not our bug to claim
+        raise _TargetFailed(
+            f"TARGET {target!r}: the audit stopped at {_what(e)} (raised in the model, its "
+            "loss_fn or floatguard; rerun with --debug for the traceback)"
+        ) from e
     if as_json:
         from floatguard.events import encode_value
 
@@ -377,11 +557,11 @@ def audit_cmd(
     for la in report.layers:
         _out.print(f"- {escape(la.layer)}: {escape('; '.join(la.recommendation))}", markup=True)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "audit.html"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "audit.html"
         path.write_text(_audit_html(target, keys, rows_html, report), encoding="utf-8")
     except OSError as e:
-        raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
+        raise _write_failed(e, folder) from None
     _out.print(f"audit: {path}")
 
 
@@ -411,31 +591,82 @@ def _audit_html(target: str, keys: list[str], rows: list[Any], report: Any) -> s
     )
 
 
-def _click_exceptions() -> Any:
-    import importlib
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """The class of click's usage errors, by a public name: typer >= 0.26 vendors click
+    and derives them from ``typer.TyperException``; older typer runs on click itself."""
+    base = getattr(typer, "TyperException", None)
+    if base is None:
+        import click
 
-    try:  # typer >= 0.20 carries its own copy of click
-        return importlib.import_module("typer._click.exceptions")
-    except ImportError:  # older typer: click itself
-        return importlib.import_module("click.exceptions")
+        base = click.ClickException
+    return (base,)
 
 
-def main() -> None:
-    """Console-script entry point: a user mistake is one red line and exit code 2."""
-    cx = _click_exceptions()
+def _usage_error(e: Exception) -> int:
+    """One red line for click's usage error ``e``; its exit code (2)."""
+    code = getattr(e, "exit_code", 2)
+    format_message = getattr(e, "format_message", None)
+    message = (format_message() if callable(format_message) else str(e)).strip()
+    if not message or message.startswith("Usage:"):
+        # no command: the help is the answer; rich printed it already, plain click did not
+        if message:
+            _err.print(message, markup=False, highlight=False)
+        return int(code)
+    option = getattr(e, "option_name", None)
+    if isinstance(option, str) and option and hasattr(e, "possibilities"):  # NoSuchOption
+        close = sorted(getattr(e, "possibilities", None) or [])
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        return _fail(f"no such option: {option}{hint}; see --help", code).exit_code
+    first = message.splitlines()[-1].rstrip(".")
+    return _fail(f"{first}; see --help", code).exit_code
+
+
+def _internal_error(e: BaseException) -> int:
+    _err.print(
+        f"[red]internal error:[/red] {escape(_what(e))}: this is a bug in floatguard; rerun "
+        f"with --debug (or {_DEBUG_ENV}=1) for the traceback",
+        markup=True,
+    )
+    return 1
+
+
+def _split_debug(args: list[str]) -> tuple[list[str], bool]:
+    """(the arguments without ``--debug``, whether to show tracebacks): ``--debug``
+    anywhere before a ``--``, or FLOATGUARD_DEBUG set to anything but 0."""
+    end = args.index("--") if "--" in args else len(args)
+    debug = "--debug" in args[:end] or os.environ.get(_DEBUG_ENV, "0") not in ("", "0")
+    return [a for i, a in enumerate(args) if a != "--debug" or i >= end], debug
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: a user mistake is one red line and exit code 2, an
+    internal error one line and exit code 1 (``--debug``: its traceback), Ctrl-C 130."""
+    args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     try:
-        rc = app(standalone_mode=False)
-    except cx.NoSuchOption as e:
-        rc = _fail(f"no such option: {e.option_name}; see --help").exit_code
-    except cx.UsageError as e:
-        first = e.format_message().strip().splitlines()[-1].rstrip(".")
-        rc = _fail(f"{first}; see --help").exit_code
-    except getattr(cx, "Abort", KeyboardInterrupt):
-        rc = _fail("aborted").exit_code
-    except (typer.Exit, getattr(cx, "Exit", typer.Exit)) as e:
+        rc = app(args, prog_name="floatguard", standalone_mode=False)
+    except typer.Exit as e:  # before RuntimeError: typer >= 0.26's Exit is one
         rc = e.exit_code
+    except typer.Abort as e:  # older click turns Ctrl-C into Abort
+        rc = 130 if isinstance(e.__context__, KeyboardInterrupt) else _fail("aborted").exit_code
+    except _TargetFailed as e:
+        if debug:
+            raise
+        rc = _fail(str(e)).exit_code
+    except _usage_errors() as e:
+        rc = _usage_error(e)
     except KeyboardInterrupt:
-        rc = _fail("interrupted").exit_code
+        rc = 130
+    except OSError as e:  # a disk error no command caught: still the user's to fix
+        if debug:
+            raise
+        disk = e.errno in _DISK_ERRNOS
+        rc = _write_failed(e, Path(".")).exit_code if disk else _internal_error(e)
+    except Exception as e:
+        if debug:
+            raise
+        rc = _internal_error(e)
+    if rc == 130:  # typer >= 0.26 answers Ctrl-C with Exit(130), silently
+        _err.print("interrupted")
     raise SystemExit(rc if isinstance(rc, int) else 0)
 
 

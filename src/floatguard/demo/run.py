@@ -17,6 +17,11 @@ of the run:
 
 With the guard each one is found, localized and answered; without it (``guarded=
 False``: the usual GradScaler loop) the run dies of the first fault it cannot skip.
+
+The schedule (:func:`schedule_for`) keeps every fault at its own step, at least
+``FAULT_GAP`` apart, after ``WARMUP`` clean steps and before the last step, for any
+``steps`` in ``MIN_STEPS..MAX_STEPS``: a short run pushes the faults later and closer
+together, a long one keeps the fractions.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from floatguard.events import EventLog
 from floatguard.guard import Guard, StepResult
 from floatguard.stability.respond import ResponsePolicy, SpikePolicy
 
-__all__ = ["DEMO", "FAULTS", "DemoResult", "run_demo"]
+__all__ = ["DEMO", "FAULTS", "MAX_STEPS", "MIN_STEPS", "DemoResult", "run_demo", "schedule_for"]
 
 DEMO = GPTConfig(vocab_size=32, block_size=24, n_layer=2, n_head=2, n_embd=64, attention="explicit")
 """The demo's GPT: 2 layers, d=64, T=24, hand-written attention."""
@@ -50,6 +55,14 @@ FAULTS: dict[str, float] = {
     "lr_spike": 0.60,
     "fp16_overflow": 0.75,
 }
+# Clean steps before the first fault: the spike detector's warm-up (its baseline of
+# losses) and the guard's first snapshots, so that each fault has something to be
+# measured against and a state to roll back to.
+WARMUP = 10
+FAULT_GAP = 2  # steps between two faults at least: each one's answer is its own step
+MIN_STEPS = WARMUP + FAULT_GAP * (len(FAULTS) - 1) + 2  # 20: room for all five, and one after
+MAX_STEPS = 1_000_000  # a demo, not a training job: some hours on a CPU already
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit integer
 Precision = Literal["fp32", "bf16", "fp16"]
 # where each fault is expected to be found (module, phase), for the demo's checks
 EXPECTED: dict[str, tuple[str, str]] = {
@@ -66,6 +79,7 @@ class DemoResult:
     guarded: bool
     steps: int
     schedule: dict[str, int]
+    """fault -> the step it strikes at"""
     accuracy: float
     final_loss: float
     finite: bool
@@ -74,6 +88,9 @@ class DemoResult:
     events_path: Path | None
     results: list[StepResult] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    log_error: str | None = None
+    """Why the event log could not be written (a full or read-only disk): the run
+    stopped at the step that failed (``len(losses)`` steps ran); None when it was."""
 
 
 def _flip_exponent_msb(w: torch.Tensor) -> tuple[int, float, float]:
@@ -96,10 +113,33 @@ def _accuracy(model: GPT, cfg: GPTConfig, seed: int) -> float:
 
 
 def schedule_for(steps: int, faults: list[str]) -> dict[str, int]:
+    """fault -> step for a run of ``steps`` (``MIN_STEPS..MAX_STEPS``), in FAULTS' order.
+
+    Each fault strikes at its fraction of the run, but never before ``WARMUP`` and at
+    least ``FAULT_GAP`` steps after the one before; the same steps whichever subset of
+    faults is chosen. 400 steps: 60, 120, 180, 240, 300; 20 steps: 10, 12, 14, 16, 18.
+    """
+    _check_steps(steps)
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         raise ValueError(f"unknown fault {unknown[0]!r}; known: {', '.join(FAULTS)}")
-    return {f: max(1, int(FAULTS[f] * steps)) for f in faults}
+    at: dict[str, int] = {}
+    earliest = WARMUP
+    for name, fraction in sorted(FAULTS.items(), key=lambda kv: kv[1]):
+        at[name] = max(int(fraction * steps), earliest)
+        earliest = at[name] + FAULT_GAP
+    # MIN_STEPS leaves the last fault one step after it at least (the fractions are
+    # <= 0.75, so only the pushed-back short runs come near the end)
+    assert max(at.values()) <= steps - 2, (steps, at)
+    return {f: at[f] for f in FAULTS if f in faults}
+
+
+def _check_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not MIN_STEPS <= steps <= MAX_STEPS:
+        raise ValueError(
+            f"steps={steps!r} must be an int in {MIN_STEPS}..{MAX_STEPS:,} (the schedule "
+            f"needs {MIN_STEPS} steps; a longer demo is a training job)"
+        )
 
 
 def run_demo(
@@ -113,9 +153,13 @@ def run_demo(
     on_step: Callable[[int, StepResult | None, float], None] | None = None,
     on_event: Callable[[Any], None] | None = None,
 ) -> DemoResult:
-    """Train the demo GPT for ``steps`` under the fault schedule; see the module."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 20:
-        raise ValueError(f"steps={steps!r} must be an int >= 20 (the schedule needs room)")
+    """Train the demo GPT for ``steps`` under the fault schedule; see the module.
+
+    A log that cannot be written (a full disk) stops the run at that step, with
+    ``log_error`` saying why: a demo's log is its product."""
+    _check_steps(steps)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={seed!r} must be an int in 0..{MAX_SEED} (2**63 - 1)")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r}; use 'fp16', 'bf16' or 'fp32'")
     schedule = schedule_for(steps, list(FAULTS) if faults is None else faults)
@@ -130,14 +174,14 @@ def run_demo(
     if guarded:
         guard = Guard(
             model, opt, precision=precision, log=log,
-            spikes=SpikePolicy(window=30, z=8.0, warmup=10),
+            spikes=SpikePolicy(window=30, z=8.0, warmup=WARMUP),
             response=ResponsePolicy(rollback_after=4),
             stats_every=max(2, steps // 20),  # per-layer statistics on 20 steps of the run
         )  # fmt: skip
-        if on_event is not None:
-            guard.events.subscribe(on_event)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16") if not guarded else None
     plain_log = EventLog(log if not guarded else None, keep=0)  # the unguarded run's steps
+    if on_event is not None:
+        (guard.events if guard is not None else plain_log).subscribe(on_event)
     result = DemoResult(guarded, steps, schedule, 0.0, math.nan, True, None, 0.0, None)
     start = time.perf_counter()
     for step in range(steps):
@@ -179,7 +223,9 @@ def run_demo(
             scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
             loss, norm = _plain_step(model, opt, scaler, closure, precision)
             scale_after = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
-            skipped = scale_after < scale_before  # GradScaler skipped an overflowing step
+            # GradScaler skips a step whose gradients hold an inf or NaN: it halves the
+            # scale then, until the scale itself reaches 0 (a dead run's steps)
+            skipped = scale_after < scale_before or not math.isfinite(norm)
             plain_log.emit(
                 "step", step, action="skipped" if skipped else "applied",
                 reason="overflow" if skipped else None, loss=loss, grad_norm=norm,
@@ -194,10 +240,15 @@ def run_demo(
             result.died_at = step  # a non-finite loss from a weight no step can heal
         if on_step is not None:
             on_step(step, r, loss)
+        result.log_error = (guard.events if guard is not None else plain_log).write_error
+        if result.log_error is not None:
+            break
     result.seconds = time.perf_counter() - start
     result.finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     result.accuracy = _accuracy(model, cfg, seed) if result.finite else 0.0
-    tail = [v for v in result.losses[-20:] if math.isfinite(v)]
+    # the last 20 steps no fault hit: fp16_overflow's loss is scaled 1e6 on purpose
+    last = range(max(0, len(result.losses) - 20), len(result.losses))
+    tail = [result.losses[i] for i in last if i not in at and math.isfinite(result.losses[i])]
     result.final_loss = sum(tail) / len(tail) if tail else math.nan
     if guard is not None:
         guard.close()
