@@ -86,3 +86,34 @@ def test_one_stop_report_counts_every_event_written(tmp_path: object) -> None:
     assert report["events"] == sum(guard.events.counts.values())
     assert guard.events.of_kind("stop")[-1]["reason"] == "repeated_fault"
     guard.close()
+
+
+def test_a_step_that_raised_leaves_the_rng_where_the_step_began() -> None:
+    """A retried step with dropout draws what an uninterrupted run draws (issue 23)."""
+
+    def run(fail_at: int | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = Guard(model, opt)
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        failed = False
+        for i in range(4):
+
+            def closure(i: int = i) -> torch.Tensor:
+                nonlocal failed
+                loss = torch.nn.functional.mse_loss(model(x), y)  # draws the dropout mask
+                if i == fail_at and not failed:
+                    failed = True
+                    raise RuntimeError("a data-loader hiccup after the forward")
+                return loss
+
+            try:
+                guard.step(closure)
+            except RuntimeError:
+                guard.step(closure)  # the retry
+        guard.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    clean, retried = run(None), run(2)
+    assert all(torch.equal(a, b) for a, b in zip(clean, retried, strict=True))

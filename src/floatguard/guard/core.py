@@ -317,7 +317,7 @@ class Guard(GuardPersistence):
             try:
                 self._runner.run(closures, before_last_backward=self._channel.arm_for(step))
             except BaseException:
-                self._discard()  # the closure failed: the step did not happen
+                self._undo()  # the closure failed: the step did not happen
                 self._unvouched(initial)
                 raise
         elif not self._runner.losses:
@@ -345,7 +345,7 @@ class Guard(GuardPersistence):
         except BaseException:
             if not self._actor.applying:  # the step did not happen: as if it had not begun
                 self.step_count = step
-                self._discard()
+                self._undo()
                 self._unvouched(initial)
             raise
 
@@ -379,6 +379,12 @@ class Guard(GuardPersistence):
         )
         self._emit.step(result)
         return result
+
+    def _undo(self) -> None:
+        """A step that raised (its closure, a SnapshotError, ...): discarded, and the RNG
+        back where the step began, so a retry draws what an uninterrupted run draws."""
+        self._discard()
+        self._state.restore_rng()
 
     def _discard(self) -> None:
         self._optimizer.zero_grad(set_to_none=True)
