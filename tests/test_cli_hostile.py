@@ -422,3 +422,22 @@ def test_end_to_end_one_line_and_no_traceback(tmp_path: Path) -> None:
         assert "Traceback" not in proc.stderr
         if code == 2 and args:
             assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_names_from_a_log_cannot_drive_the_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ESC sequences in module and op names are shown escaped, never obeyed (issue 23)."""
+    log = EventLog(tmp_path / "events.jsonl")
+    for i in range(3):
+        log.emit("fault", i, phase="forward", module="\x1b[2J\x1b[31mevil", tensor="output",
+                 kind_of_value="nan", shape=[1], op="aten.exp.default\x07", source=None,
+                 deterministic=True, stats=None, fault_rank=None, cause=None,
+                 input_amax=None)  # fmt: skip
+    log.close()
+    with open(tmp_path / "events.jsonl", "a") as fh:
+        fh.write('{"kind": "step", "step": 9, "loss": "\\u001b[2J"}\n')  # mistyped: skipped
+    rc, out, err = _main(capsys, "diagnose", str(tmp_path / "events.jsonl"))
+    assert rc == 0 and "\x1b" not in out + err and "\x07" not in out + err
+    assert "\\x1b[2J\\x1b[31mevil" in out  # shown, escaped
+    assert "skipped" in err and "'loss' must be num" in err

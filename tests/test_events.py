@@ -182,3 +182,92 @@ def test_a_failed_write_warns_once_and_keeps_going() -> None:
     assert len([w for w in caught if "cannot write events" in str(w.message)]) == 1
     assert len(log.events) == 3 and log.write_error is not None
     log.close()
+
+
+# ------------------------------------------- torn, zero-filled and marked files (issue 23)
+def _one_of_each_kind(path: Path) -> list[bytes]:
+    """A real line of every kind, with the values that make cuts interesting: floats
+    with a fraction and an exponent, null, true, escapes (\\uXXXX, quotes) and NaN."""
+    values: dict[str, object] = {
+        "loss": 3.25, "grad_norm": 1.5e-300, "value": -2.5e19, "scale_before": 65536.0,
+        "message": 'quote " back \\ snow \u2603 e\u0301', "module": "blocks.0.ln\u00e9",
+        "shape": [2, 3], "stats": {"amax": 3.5, "min": -math.inf}, "deterministic": True,
+        "tensors": [{"module": "m", "role": "output[0]", "numel": 4, "amax": math.nan,
+                     "hist": [1, 3], "hist_from": -3, "formats": {"fp16": {"underflow": 0.5}}}],
+        "param_dtypes": ["float32"], "world_size": 1, "precision": "fp16",
+        "loss_scaling": True, "action": "applied", "phase": "forward",
+        "to_step": 5, "rollbacks": 1, "skip_batches": 0, "from_step": 3, "transients": 0,
+        "factor": 0.5, "scale_after": 32768.0, "clip": {"kind": "zclip", "max_norm": 1.0},
+    }  # fmt: skip
+    log = EventLog(path)
+    for kind, names in sorted(EVENT_FIELDS.items()):
+        log.emit(kind, 7, **{n: values.get(n) for n in names})
+    log.close()
+    return path.read_bytes().splitlines()
+
+
+def test_every_cut_point_of_every_kinds_line_is_a_torn_line(tmp_path: Path) -> None:
+    lines = _one_of_each_kind(tmp_path / "all.jsonl")
+    good = b"\n".join(lines[:2]) + b"\n"
+    cuts = 0
+    for line in lines:
+        for k in range(1, len(line)):
+            for tail, after in ((b"", b""), (b"\x00" * 37, b""), (b"", b"\n" + lines[0] + b"\n")):
+                path = tmp_path / "cut.jsonl"
+                path.write_bytes(good + line[:k] + tail + after)
+                problems: list[str] = []
+                got = list(read_events(path, errors=problems))
+                assert len(got) == 2 + bool(after), (line[:k], problems)
+                assert len(problems) == 1 and "torn line" in problems[0], (line[:k], problems)
+                cuts += 1
+    assert cuts > 3 * 2000  # every kind's line, cut at every byte
+
+
+def test_a_zero_filled_tail_and_a_bom_are_read_and_the_writer_starts_clean(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.jsonl"
+    log = EventLog(path)
+    log.emit("snapshot", 1, where="memory")
+    log.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"schema": 2, "kind": "step", "st' + b"\x00" * 4096)  # a crash's zeros
+    log = EventLog(path)  # a resumed run appends: on a clean line, after the zeros
+    log.emit("snapshot", 2, where="memory")
+    log.close()
+    with pytest.warns(RuntimeWarning, match=r"run\.jsonl:2: a torn line"):
+        assert [e.step for e in read_events(path)] == [1, 2]
+    path.write_bytes(b"\x00" * 512)
+    with pytest.warns(RuntimeWarning, match="zero-filled line"):
+        assert list(read_events(path)) == []
+    bom = b"\xef\xbb\xbf" + b'{"schema": 2, "kind": "snapshot", "step": 3, "where": "memory"}\n'
+    path.write_bytes(bom)
+    assert [e.step for e in read_events(path)] == [3]
+    path.write_bytes(b'{"schema": 2, "kind": "snapshot", "step": 3,\x00 "where": "m"}\n')
+    with pytest.raises(ValueError, match="NUL bytes inside the line"):
+        list(read_events(path))
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            '{"kind": "step", "step": 1, "loss": "high"}',
+            "step field 'loss' must be num, got 'high'",
+        ),
+        ('{"kind": "step", "step": 1, "action": 3}', "step field 'action' must be str, got 3"),
+        ('{"kind": "step", "step": 1, "loss": [1.0]}', "'loss' must be num, got [1.0]"),
+        ('{"kind": "step", "step": 1, "loss": {"$float": "banana"}}', "'loss' must be num"),
+        ('{"kind": "step", "step": 1, "time": 1' + "0" * 400 + "}", "'time' is out of range"),
+        ('{"kind": "fault", "step": 1, "shape": [-1]}', "'shape' must be a list of sizes"),
+        ('{"kind": "stats", "step": 1, "tensors": [{"module": 1}]}', "tensors'[0].module"),
+    ],
+)
+def test_a_mistyped_field_is_an_error_naming_file_line_and_field(
+    tmp_path: Path, line: str, message: str
+) -> None:
+    path = tmp_path / "run.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=r"run\.jsonl:1: ") as err:
+        list(read_events(path))
+    assert message in str(err.value)

@@ -373,9 +373,11 @@ def _print_findings(found: list[Any]) -> None:
         return
     _out.print("\n[bold]diagnosis[/bold]", markup=True)
     for f in found:
-        _out.print(f"- [bold]{escape(f.title)}[/bold]: {escape(f.evidence)}", markup=True)
-        _out.print(f"  cause: {escape(f.cause)}", markup=True)
-        _out.print(f"  fix: {escape(f.fix)}", markup=True)
+        # (printable: names from a log may hold ESC sequences; they are shown, not obeyed)
+        title, evidence = printable(f.title, 2000), printable(f.evidence, 2000)
+        _out.print(f"- [bold]{escape(title)}[/bold]: {escape(evidence)}", markup=True)
+        _out.print(f"  cause: {escape(printable(f.cause, 2000))}", markup=True)
+        _out.print(f"  fix: {escape(printable(f.fix, 2000))}", markup=True)
 
 
 def _events_of(run: Path) -> tuple[list[Any], list[str]]:
@@ -418,7 +420,7 @@ def report(
     except OSError as e:
         raise _write_failed(e, folder) from None
     for p in problems:
-        _err.print(f"[yellow]skipped[/yellow] {escape(p)}", markup=True)
+        _err.print(f"[yellow]skipped[/yellow] {escape(printable(p, 2000))}", markup=True)
     _out.print(f"report: {index}")
 
 
@@ -436,7 +438,7 @@ def diagnose_cmd(
         print(json.dumps([f.to_dict() for f in found], allow_nan=False))
         return
     for p in problems:
-        _err.print(f"[yellow]skipped[/yellow] {escape(p)}", markup=True)
+        _err.print(f"[yellow]skipped[/yellow] {escape(printable(p, 2000))}", markup=True)
     _print_findings(found)
 
 

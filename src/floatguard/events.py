@@ -285,9 +285,98 @@ class _TornLine(ValueError):
     """A line cut short by a crash mid-write: valid JSON up to where it stops."""
 
 
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+_NUMBER_NEXT = {  # a JSON number as a state machine: state -> {class: next state}
+    "start": {"-": "sign", "0": "zero", "d": "int"},
+    "sign": {"0": "zero", "d": "int"},
+    "zero": {".": "dot", "e": "exp"},
+    "int": {"d": "int", "0": "int", ".": "dot", "e": "exp"},
+    "dot": {"d": "frac", "0": "frac"},
+    "frac": {"d": "frac", "0": "frac", "e": "exp"},
+    "exp": {"+": "esign", "-": "esign", "d": "edig", "0": "edig"},
+    "esign": {"d": "edig", "0": "edig"},
+    "edig": {"d": "edig", "0": "edig"},
+}
+
+
+def _number_end(text: str, i: int) -> tuple[int, bool]:
+    """Scan a number from ``i``: (where it stops, whether the text ended inside it)."""
+    state = "start"
+    while i < len(text):
+        c = text[i]
+        cls = "0" if c == "0" else "d" if c.isdigit() else "e" if c in "eE" else c
+        nxt = _NUMBER_NEXT[state].get(cls)
+        if nxt is None:
+            return i, False
+        state, i = nxt, i + 1
+    return i, True
+
+
+def _is_json_prefix(text: str) -> bool:
+    """Whether ``text`` is a proper prefix of some JSON object (what a crash mid-write
+    leaves: cut anywhere, in a string, an escape, a number or a literal)."""
+    stack: list[str] = []  # "{" or "[" still open
+    i, n = 0, len(text)
+    while i < n and text[i].isspace():
+        i += 1
+    if i >= n or text[i] != "{":
+        return False
+    while i < n:
+        c = text[i]
+        if c.isspace() or c in ",:":
+            i += 1
+        elif c in "{[":
+            stack.append(c)
+            i += 1
+        elif c in "}]":
+            if not stack or {"{": "}", "[": "]"}[stack.pop()] != c:
+                return False
+            i += 1
+            if not stack:  # the object closed: the rest must be blank (else not a prefix)
+                return not text[i:].strip()
+        elif c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                if text[i] == "\\":
+                    esc = text[i + 1 : i + 2]
+                    if not esc:
+                        return True  # cut after the backslash
+                    if esc == "u":
+                        hexes = text[i + 2 : i + 6]
+                        if any(h not in "0123456789abcdefABCDEF" for h in hexes):
+                            return False
+                        if len(hexes) < 4:
+                            return True  # cut inside \uXXXX
+                        i += 6
+                        continue
+                    if esc not in '"\\/bfnrt':
+                        return False
+                    i += 2
+                    continue
+                i += 1
+            if i >= n:
+                return True  # cut inside a string
+            i += 1
+        elif c == "-" or c.isdigit():
+            i, ended = _number_end(text, i)
+            if ended:
+                return True
+        else:
+            rest = text[i:]
+            word = next((w for w in _LITERALS if rest.startswith(w)), None)
+            if word is not None:
+                i += len(word)
+            elif any(w.startswith(rest) for w in _LITERALS):
+                return True  # cut inside a literal (nul, tr, ...)
+            else:
+                return False
+    return bool(stack)
+
+
 def _is_truncated(text: str, e: json.JSONDecodeError) -> bool:
-    # A JSON object cut short fails at its end, or inside a string it began.
-    return e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+    """A JSON object cut short: a proper prefix of one (what a crash mid-write leaves)."""
+    del e
+    return _is_json_prefix(text)
 
 
 def _parse(raw: bytes, where: str) -> Event:
@@ -365,37 +454,57 @@ def conform_events(events: Iterable[Event], problems: list[str] | None = None) -
     return out
 
 
+def _without_nuls(raw: bytes, where: str) -> bytes:
+    """``raw`` with the zero bytes a crash leaves removed: a zero-filled line, or a line
+    cut short and zero-filled after, is torn; zeros before a line (an older writer
+    appended after them) are dropped. A NUL inside the text is an error."""
+    body = raw.lstrip(b"\x00")
+    head, nul, tail = body.partition(b"\x00")
+    if nul and tail.strip(b"\x00"):
+        raise ValueError(f"{where}: NUL bytes inside the line")
+    if not head.strip():
+        raise _TornLine(f"{where}: a zero-filled line (what a crash leaves on some filesystems)")
+    return head
+
+
 def read_events(
     path: str | os.PathLike[str], *, strict: bool = False, errors: list[str] | None = None
 ) -> Iterator[Event]:
-    """Events of a JSONL file written by :class:`EventLog` (schema 1 or 2).
+    """Events of a JSONL file written by :class:`EventLog` (schema 1 or 2), streamed (one
+    line in memory at a time).
 
     Every bad line raises ValueError naming the file and line, unless ``errors`` is a
     list: then its message is appended there and the line skipped (a report renders
-    the rest). A torn line (a JSON object cut short by a crash mid-write: at the end
-    of the file, or followed by the lines a later writer appended after it) is
-    skipped with a RuntimeWarning, or raises with ``strict=True``. Blank lines are
-    skipped.
+    the rest). A line is bad when it is not a JSON object, its envelope is wrong, or a
+    field has the wrong type for its kind (:data:`FIELD_TYPES`). A torn line (a JSON
+    object cut short by a crash mid-write, anywhere: in a string, an escape, a number,
+    a literal), a zero-filled line, or one cut short and zero-filled (what a crash
+    leaves on some filesystems) is skipped with a RuntimeWarning, or raises with
+    ``strict=True``. A UTF-8 byte-order mark is ignored; blank lines are skipped.
     """
     with open(path, "rb") as fh:
-        lines = fh.read().split(b"\n")
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            ev = _parse(raw, where)
-        except _TornLine as e:
-            if strict:
-                raise
-            if errors is not None:
-                errors.append(f"{e}; skipped")
-            else:
-                warnings.warn(f"{e}; skipped", RuntimeWarning, stacklevel=2)
-            continue
-        except ValueError as e:
-            if errors is None:
-                raise
-            errors.append(str(e))
-            continue
-        yield ev
+        for n, raw in enumerate(fh, 1):
+            raw = raw.rstrip(b"\r\n")
+            if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a BOM (an editor's)
+                raw = raw[3:]
+            if not raw.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                if b"\x00" in raw:
+                    raw = _without_nuls(raw, where)
+                ev = _parse(raw, where)
+            except _TornLine as e:
+                if strict:
+                    raise
+                if errors is not None:
+                    errors.append(f"{e}; skipped")
+                else:
+                    warnings.warn(f"{e}; skipped", RuntimeWarning, stacklevel=2)
+                continue
+            except ValueError as e:
+                if errors is None:
+                    raise
+                errors.append(str(e))
+                continue
+            yield ev
