@@ -192,3 +192,9 @@ def test_custom_format_arguments_are_checked_where_given() -> None:
         Format.custom(4, 3, bias=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"name must be a str, got 123"):
         Format.custom(4, 3, name=123)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["e99999999999999999999m1", "e0m3", "e12m3"])
+def test_an_out_of_range_custom_format_is_a_value_error_naming_it(name: str) -> None:
+    with pytest.raises(ValueError, match=r"exponent_bits=\d+ is out of range"):
+        get(name)

@@ -224,7 +224,9 @@ class Format:
         for label, value in (("exponent_bits", exponent_bits), ("mantissa_bits", mantissa_bits)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{label} must be an int, got {value!r}")
-        default_bias = (1 << (exponent_bits - 1)) - 1 if exponent_bits >= 1 else 0
+        # (the range itself is checked when the format is built; a huge exponent_bits
+        # must reach that check, not overflow here)
+        default_bias = (1 << (exponent_bits - 1)) - 1 if 1 <= exponent_bits <= 64 else 0
         if bias is None:
             bias = default_bias
         if isinstance(bias, bool) or not isinstance(bias, int):
