@@ -376,6 +376,7 @@ class Guard(GuardPersistence):
             verdict.clip[0],
             self._ladder.lr_factor,
             verdict.fault,
+            self._keeper.age(self.step_count),
         )
         self._emit.step(result)
         return result
@@ -409,10 +410,12 @@ class Guard(GuardPersistence):
         self._state.save()
 
     def close(self) -> None:
-        """Detach the monitors (watch="hooks", stats_every) and close the event log."""
+        """Detach the monitors (watch="hooks", stats_every), let go of the snapshot
+        folder's lock and close the event log."""
         for mon in (self._monitor, self._stats_monitor):
             if mon is not None:
                 mon.detach()
+        self._keeper.close()
         self._channel.close()
         self._events.close()
 

@@ -1,20 +1,49 @@
-"""The snapshot keeper: the in-memory snapshot, the disk store and its error policy, resume."""
+"""The snapshot keeper: the in-memory snapshot, the disk store and its error policy, resume.
+
+Whose snapshots a folder holds (see :mod:`floatguard.stability.snapshot_folder`): the
+keeper has a *run id*, new for a guard that starts afresh, the folder's own for one
+that resumes from it (:meth:`SnapshotKeeper.load`, then :meth:`~SnapshotKeeper.adopt`)
+or is restored from a framework's checkpoint (:meth:`~SnapshotKeeper.continue_run`).
+It takes the folder's lock before it reads the folder to resume or writes there, and
+lets it go on :meth:`~SnapshotKeeper.close`.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from floatguard.guard.emit import GuardEvents
-from floatguard.stability.snapshot import Snapshot, SnapshotError, SnapshotStore, load_snapshot
+from floatguard.stability._snapshot_fit import first_misfit
+from floatguard.stability.snapshot import (
+    ForeignSnapshotError,
+    Snapshot,
+    SnapshotError,
+    SnapshotStore,
+    load_snapshot,
+    read_identity,
+)
+from floatguard.stability.snapshot_folder import (
+    FolderLock,
+    SnapshotFolderBusy,
+    new_run_id,
+    read_run_id,
+    write_run_id,
+)
 
 if TYPE_CHECKING:
     from floatguard.stability.respond import ResponsePolicy
 
 __all__ = ["SnapshotKeeper"]
+
+
+def _run_of(path: Path) -> str | None:
+    ident = read_identity(path)
+    return ident[1] if ident is not None else None
 
 
 class SnapshotKeeper:
@@ -24,6 +53,9 @@ class SnapshotKeeper:
     The keeper stores what it is given; the guard vets the state first (finite
     weights and optimizer state, the magnitudes kept in ``amax`` for the locator's
     magnitude rule), so a snapshot never vouches for a non-finite value.
+
+    ``disk_step``: the step of the newest snapshot on disk (written, or resumed from);
+    :meth:`age` says how far behind it is.
     """
 
     def __init__(self, policy: ResponsePolicy, events: GuardEvents) -> None:
@@ -32,11 +64,24 @@ class SnapshotKeeper:
         self.snapshot: Snapshot | None = None
         self.taken = 0
         self.amax: dict[str, float] = {}
+        self.run_id = new_run_id()
+        self.home = Path(policy.snapshot_dir) if policy.snapshot_dir is not None else None
         self.store = (
-            SnapshotStore(policy.snapshot_dir, policy.snapshot_keep)
-            if policy.snapshot_dir is not None
+            SnapshotStore(self.home, policy.snapshot_keep, run_id=self.run_id)
+            if self.home is not None
             else None
         )
+        self.lock: FolderLock | None = None
+        self.disk_step: int | None = None
+        self._first: int | None = None  # the step of the first snapshot taken
+        self._failing = False  # writes failing since the last one that worked (warned)
+
+    def age(self, next_step: int) -> int | None:
+        """How many steps a resume from the newest snapshot on disk would run again
+        when ``next_step`` is the step to run next (from the first step on when none
+        was written); None without a ``snapshot_dir`` or before the first step."""
+        base = self.disk_step if self.disk_step is not None else self._first
+        return None if self.home is None or base is None else next_step - base
 
     def due(self, good_steps: int) -> bool:
         """Whether the step about to be applied is a snapshot step."""
@@ -58,6 +103,8 @@ class SnapshotKeeper:
             step, objects, meta={**meta, "snapshots": self.taken}, reuse=self.snapshot
         )
         self.taken += 1
+        if self._first is None:
+            self._first = step
         if vetted:
             self.vouch(step, amax)
 
@@ -77,11 +124,17 @@ class SnapshotKeeper:
         self.taken -= 1
 
     def _write(self, step: int, snap: Snapshot) -> str:
-        """Write ``snap`` to the store; a failure is an event, then the policy acts."""
+        """Write ``snap`` to the store (the folder locked, and made this run's first); a
+        failure is an event and a warning, then the policy acts. Another live guard
+        in the folder is refused whatever the policy."""
         store = self.store
         assert store is not None
         try:
-            return str(store.save(snap))
+            self._claim()
+            self._own_folder(step, store)
+            path = str(store.save(snap))
+        except SnapshotFolderBusy:
+            raise
         except (OSError, RuntimeError, SnapshotError) as e:
             policy = self.policy.on_snapshot_error
             error = f"{type(e).__name__}: {e}"
@@ -93,7 +146,70 @@ class SnapshotKeeper:
                     f"cannot write the snapshot of step {step} to {store.folder} "
                     f"({error}); the step was not applied"
                 ) from e
+            self._warn_failing(step, store.folder, error, policy)
             return "memory"
+        self.disk_step, self._failing = step, False
+        return path
+
+    def _warn_failing(self, step: int, folder: Path, error: str, policy: str) -> None:
+        """Once per spell of failing writes, on stderr: the run's resume point is stale."""
+        if self._failing:
+            return
+        self._failing = True
+        kept = (
+            f"the newest snapshot on disk is of step {self.disk_step}"
+            if self.disk_step is not None
+            else "no snapshot of this run is on disk"
+        )
+        then = (
+            "retried at every snapshot step; until one is written, a crash loses every "
+            "step since (StepResult.snapshot_age counts them)"
+            if policy == "retry"
+            else "disk snapshots are off for the rest of the run"
+        )
+        warnings.warn(
+            f"floatguard: cannot write the snapshot of step {step} to {folder} ({error}); "
+            f"{kept}; {then}. Rollbacks still work (in memory); further failures are "
+            "snapshot_error events only",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _claim(self) -> None:
+        """Take the snapshot folder's lock (SnapshotFolderBusy while another guard
+        holds it); the store may then clean every other writer's temp files."""
+        if self.lock is None and self.home is not None:
+            self.lock = FolderLock.acquire(self.home)
+            if self.store is not None:
+                self.store.exclusive = True
+
+    def _own_folder(self, step: int, store: SnapshotStore) -> None:
+        """Make the folder this run's before writing there; a guard that did not resume
+        a folder holding another run's snapshots takes it over, warned."""
+        found = read_run_id(store.folder)
+        if found == self.run_id:
+            return
+        theirs = [p.name for p in store.paths() if _run_of(p) == found]
+        if found is not None and theirs:
+            names = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+            message = (
+                f"snapshot_dir {store.folder} holds the snapshots of another run ({found}: "
+                f"{names}); this guard did not resume() "
+                f"it and starts run {self.run_id} there. resume() will pass over that "
+                "run's files (snapshot_fallback) and they are never pruned: call "
+                "guard.resume() to continue that run, or give a new run an empty folder"
+            )
+            warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=2)
+            self.events.warning(step, message, 0)
+        write_run_id(store.folder, self.run_id)
+
+    def close(self) -> None:
+        """Let go of the snapshot folder's lock (taken again at the next write)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        if self.store is not None:
+            self.store.exclusive = False
 
     def restore(self, objects: dict[str, Any]) -> int:
         """Load the snapshot back into ``objects``; the step it was taken before."""
@@ -103,35 +219,86 @@ class SnapshotKeeper:
         return self.snapshot.step
 
     def load(
-        self, path: str | os.PathLike[str] | None, device: torch.device, names: set[str]
+        self,
+        path: str | os.PathLike[str] | None,
+        device: torch.device,
+        objects: dict[str, Any],
+        *,
+        foreign: bool = False,
     ) -> tuple[Snapshot, Path]:
         """The newest good snapshot at ``path`` (a file, or a folder of them; default the
-        policy's ``snapshot_dir``), holding a state for each of ``names``; a newest
-        one that fails to verify is passed over for the one before (an event each)."""
-        target = Path(path) if path is not None else None
-        if target is None and self.policy.snapshot_dir is not None:
-            target = Path(self.policy.snapshot_dir)
+        policy's ``snapshot_dir``) that fits ``objects`` (every state there; model and
+        optimizer tensors of the same names, shapes and dtypes), checked before
+        anything is loaded. In a folder, a newer file that fails to verify, is misnamed
+        or is another run's is passed over for the one before (an event each); a file
+        named is refused for those (another run's: unless ``foreign``)."""
+        target = Path(path) if path is not None else self.home
         if target is None:
             raise ValueError(
                 "Guard.resume() needs a path, or ResponsePolicy(snapshot_dir=...) to look in"
             )
+        if self.home is not None and self.home.is_dir():
+            self._claim()  # before reading: no other guard writes there meanwhile
+        expected = self._expected_run(target)
         if target.is_dir():
-            store = SnapshotStore(target, self.policy.snapshot_keep)
-            snap, used, bad = store.load_latest(map_location=device)
+            store = SnapshotStore(target, self.policy.snapshot_keep, run_id=expected)
+            snap, used, bad = store.load_latest(map_location=device, foreign=foreign)
         else:
-            snap, used, bad = load_snapshot(target, map_location=device), target, []
+            try:
+                snap = load_snapshot(target, device, run_id=None if foreign else expected)
+            except ForeignSnapshotError as e:
+                raise ForeignSnapshotError(
+                    f"{e}; nothing was loaded. resume(path=..., foreign=True) takes "
+                    "another run's snapshot on purpose"
+                ) from None
+            used, bad = target, []
         for p, why in bad:
             self.events.snapshot_fallback(snap.step, str(p), why, str(used))
-        missing = sorted(names - set(snap.states))
+        missing = sorted(set(objects) - set(snap.states))
         if missing:
             raise SnapshotError(
                 f"{used} holds no state for {missing} (it has {sorted(snap.states)}): it was "
-                "written by a guard set up differently"
+                "written by a guard set up differently; nothing was loaded"
+            )
+        misfit = first_misfit(snap.states, objects)
+        if misfit is not None:
+            raise SnapshotError(
+                f"{used} does not fit: {misfit}; nothing was loaded (a snapshot of another "
+                "model or optimizer setup)"
             )
         return snap, used
 
-    def adopt(self, snap: Snapshot) -> None:
-        """After a resume: ``snap`` is the snapshot a rollback restores."""
+    def _expected_run(self, target: Path) -> str | None:
+        """The run a resume continues: the snapshot folder's, else the one the files
+        resumed from belong to (their folder's); None when neither folder says."""
+        if self.home is not None and self.home.is_dir():
+            run = read_run_id(self.home)
+            if run is not None:
+                return run
+        return read_run_id(target if target.is_dir() else target.parent)
+
+    def adopt(self, snap: Snapshot, used: Path) -> None:
+        """After a resume from ``used``: ``snap`` is the snapshot a rollback restores, and
+        this guard continues the snapshot folder's run (or, in a folder without an
+        identity, the run of the file it resumed from there)."""
         self.snapshot = snap
         self.taken = int(snap.meta.get("snapshots", self.taken))
         self.amax = {}
+        self.disk_step = snap.step
+        if self.home is not None and self.home.is_dir():
+            run = read_run_id(self.home)
+            if run is None and used.parent.resolve() == self.home.resolve():
+                run = snap.run_id
+            self._set_run(run)
+
+    def continue_run(self) -> None:
+        """A guard restored from a framework's checkpoint (``Guard.load_state_dict``)
+        continues the snapshot folder's run, when the folder has one."""
+        if self.home is not None and self.home.is_dir():
+            self._set_run(read_run_id(self.home))
+
+    def _set_run(self, run: str | None) -> None:
+        if run is not None:
+            self.run_id = run
+            if self.store is not None:
+                self.store.run_id = run

@@ -101,21 +101,33 @@ class GuardPersistence:
         self._ladder = ladder
         return ladder
 
-    def resume(self, path: str | os.PathLike[str] | None = None) -> int:
+    def resume(self, path: str | os.PathLike[str] | None = None, *, foreign: bool = False) -> int:
         """Continue a run from its newest good snapshot on disk; returns the step to run next.
 
         ``path``: a snapshot file, or a folder of them (default: the policy's
-        ``snapshot_dir``). In a folder, a newest snapshot that fails to verify is
-        skipped for the one before it (a ``snapshot_fallback`` event each). Model,
-        optimizer, scaler, scheduler, clipper, detectors, the guard's counters and the
-        torch RNG (as at the start of that step) are restored; a ``resume`` event marks
-        where the event stream picks up. Feed the data from the returned step on.
+        ``snapshot_dir``). This guard continues the run the snapshot folder belongs to
+        (its ``floatguard-run.json``): a snapshot written by another run is *foreign*.
+        In a folder, a newer snapshot that fails to verify, is misnamed (its name says
+        another step: renamed or swapped) or is foreign is passed over for the one
+        before it (a ``snapshot_fallback`` event each, saying why). A file named by
+        ``path`` is refused for those instead (SnapshotError; ForeignSnapshotError for
+        another run's); ``foreign=True`` takes another run's snapshot on purpose (a
+        branch of a run, a file copied from elsewhere). The snapshot is checked against
+        the model and optimizer (every tensor's name, shape and dtype) before anything
+        is loaded: a misfit is a SnapshotError naming the first tensor that differs,
+        with model and optimizer untouched. The snapshot folder's lock is taken first:
+        SnapshotFolderBusy while another guard writes there.
+
+        Model, optimizer, scaler, scheduler, clipper, detectors, the guard's counters
+        and the torch RNG (as at the start of that step) are restored; a ``resume``
+        event marks where the event stream picks up. Feed the data from the returned
+        step on.
         """
-        snap, used = self._keeper.load(path, self._device, set(self._stateful()))
+        snap, used = self._keeper.load(path, self._device, self._stateful(), foreign=foreign)
         snap.restore(self._stateful())
         self._load_counters(snap.meta)
         self.step_count = snap.step
-        self._keeper.adopt(snap)
+        self._keeper.adopt(snap, used)
         self._snapshot_pending = False  # the snapshot resumed from is the one to keep
         self._previous_applied = False
         self._state.save()
@@ -151,8 +163,9 @@ class GuardPersistence:
             self._emit.overflow(step, scale_before, scale_after)
         scale = scale_after if scale_after is not None else self._scaler.get_scale()
         result = StepResult(
-            step, "skipped", reason, loss, math.nan, scale, 1.0, self._ladder.lr_factor
-        )
+            step, "skipped", reason, loss, math.nan, scale, 1.0, self._ladder.lr_factor,
+            snapshot_age=self._keeper.age(self.step_count),
+        )  # fmt: skip
         self._emit.step(result)
         return result
 
@@ -164,8 +177,11 @@ class GuardPersistence:
         return guard_state_dict(self.step_count, counters, self._own_parts())
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (a guard configured the same way)."""
+        """Restore what :meth:`state_dict` returned (a guard configured the same way).
+        The guard then continues the run its ``snapshot_dir`` belongs to (as after
+        :meth:`resume`), so a framework's resume keeps the folder's snapshots its own."""
         step_count, counters = load_guard_state_dict(sd, self._own_parts())
+        self._keeper.continue_run()
         self.step_count = step_count
         self._load_counters(counters)
         self._snapshot_pending = True  # of the state the next step starts from

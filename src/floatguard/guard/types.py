@@ -29,6 +29,10 @@ class StepResult:
     "nonfinite_grad", "transient" (a replay of the step was clean), "loss_spike",
     "grad_norm_spike", "after_rollback" (a batch the policy skips after a rollback).
     ``fault``: where the non-finite value was born, when it was localized.
+    ``snapshot_age``: with a ``snapshot_dir``, how many steps a resume from the newest
+    snapshot on disk would run again if the run stopped now (1 right after a snapshot
+    step; it keeps growing while writes fail: the run has no fresh point to resume
+    from, and a RuntimeWarning said so once); None without a ``snapshot_dir``.
     """
 
     step: int
@@ -40,3 +44,4 @@ class StepResult:
     clip_coef: float = 1.0
     lr_factor: float = 1.0
     fault: Fault | None = field(default=None, repr=False)
+    snapshot_age: int | None = None

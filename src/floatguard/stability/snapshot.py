@@ -5,27 +5,40 @@ other stateful objects (loss scaler, clipper, detectors: anything with
 ``state_dict`` / ``load_state_dict``), a step counter and the RNG states (torch
 CPU and CUDA, numpy, Python). Restoring yields bit-identical state.
 
-On disk a snapshot file is a header (a magic line, the payload's length and its
-SHA-256) and the payload (``torch.save`` of the state). The write is atomic:
-serialise, write a temporary file in the same folder, flush and fsync it,
-``os.replace`` it over the target, fsync the folder; a crash at any point leaves
-the old file or the new one, never a torn one. Loading checks the magic line, the
-length and the checksum before ``torch.load(weights_only=True)`` (a snapshot file
-cannot run code): a corrupted, truncated or foreign file raises
-:class:`SnapshotError` naming the path and what is wrong. :class:`SnapshotStore`
-keeps the last K snapshots of a run in a folder, removes what interrupted saves
-left behind, and loads the newest good one.
+Words used here:
+
+- *header*: what precedes a file's payload: a magic line, the payload's length, a
+  SHA-256, and the file's *identity*: the step and the *run id* (32 hex digits naming
+  one training run across its restarts; :mod:`.snapshot_folder` says whose it is). The
+  SHA-256 covers the identity and the payload, so a flipped bit in either is caught.
+- *format 1*: files written before identities (magic ``FLOATGUARD-SNAPSHOT 1``, no
+  step, no run id in the header); still read, with no run id.
+- *misnamed*: a file named ``snapshot-<step>.fgs`` that holds another step's snapshot
+  (renamed, or swapped with another file); never loaded.
+- *foreign*: a file written by another run than the one expected; refused, or skipped
+  by :meth:`SnapshotStore.load_latest`, unless asked for on purpose.
+
+On disk a snapshot file is the header and the payload (``torch.save`` of the state).
+The write is atomic: serialise, write a temporary file in the same folder (its name
+tagged with the writer's host, pid and start time), flush and fsync it,
+``os.replace`` it over the target, fsync the folder; a crash at any point leaves the
+old file or the new one, never a torn one. Loading checks the magic line, the length
+and the checksum, then the identity, before ``torch.load(weights_only=True)`` (a
+snapshot file cannot run code): a corrupted, truncated, misnamed, foreign or
+non-snapshot file raises :class:`SnapshotError` naming the path and what is wrong.
+:class:`SnapshotStore` keeps the last K snapshots of a run in a folder, removes what
+interrupted saves left behind, and loads the newest good one.
+
+Reading order: :class:`Snapshot`, :func:`load_snapshot`, :class:`SnapshotStore`.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
+import dataclasses
 import io
 import os
 import random
-import re
-import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,14 +48,30 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Snapshot", "SnapshotError", "SnapshotStore", "Stateful", "load_snapshot"]
+from floatguard.stability._process import writer_gone, writer_tag
+from floatguard.stability._snapshot_file import (
+    TEMP_NAME,
+    ForeignSnapshotError,
+    SnapshotError,
+    check_name,
+    check_run,
+    encode_header,
+    read_identity,
+    run_bytes,
+    step_of,
+    verified,
+)
 
-MAGIC = b"FLOATGUARD-SNAPSHOT 1\n"
-_HEADER = struct.Struct(">Q32s")  # payload length, SHA-256 of the payload
-
-
-class SnapshotError(ValueError):
-    """A snapshot file that cannot be trusted: corrupted, truncated, or not a snapshot."""
+__all__ = [
+    "ForeignSnapshotError",
+    "Snapshot",
+    "SnapshotError",
+    "SnapshotStore",
+    "Stateful",
+    "load_snapshot",
+    "read_identity",
+    "step_of",
+]
 
 
 class Stateful(Protocol):
@@ -155,6 +184,8 @@ class Snapshot:
     states: dict[str, Any]
     rng: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # the run that wrote it (32 hex digits) when read from disk; None: saved without one
+    run_id: str | None = None
     # names of states that held no tensor when captured (copied whole when reused)
     plain: set[str] = field(default_factory=set, repr=False, compare=False)
     _flat: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -189,7 +220,8 @@ class Snapshot:
             if not isinstance(obj, (torch.optim.Optimizer, torch.nn.Module))
             and not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(st)[0])
         }  # fmt: skip
-        return cls(step, copy.deepcopy(states), _rng_state() if rng else None, meta_d, plain)
+        rng_state = _rng_state() if rng else None
+        return cls(step, copy.deepcopy(states), rng_state, meta_d, plain=plain)
 
     def restore(self, objects: dict[str, Stateful]) -> None:
         """Load every saved state back (and the RNG states). Missing names raise KeyError."""
@@ -203,17 +235,21 @@ class Snapshot:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write atomically to ``path`` (temp file, fsync, rename, fsync the folder),
-        with a header holding the payload's length and SHA-256. The payload is
-        serialised in memory first (to checksum it): a save briefly holds one more
-        copy of the state in host memory."""
+        with a header holding the payload's length, the step and ``run_id``, and a
+        SHA-256 over those and the payload. The payload is serialised in memory first
+        (to checksum it): a save briefly holds one more copy of the state in host
+        memory. The temp file's name carries the writer's host, pid and start time
+        (:meth:`SnapshotStore.leftovers` never removes a live writer's)."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
         payload = {"step": self.step, "states": self.states, "rng": self.rng, "meta": self.meta}
         torch.save(payload, buf)
         data = buf.getbuffer()
-        header = MAGIC + _HEADER.pack(len(data), hashlib.sha256(data).digest())
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        header = encode_header(self.step, self.run_id, data)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{target.name}.{writer_tag()}.", suffix=".tmp", dir=target.parent
+        )
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(header)
@@ -237,94 +273,147 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def load_snapshot(
-    path: str | os.PathLike[str], map_location: str | torch.device | None = None
+    path: str | os.PathLike[str],
+    map_location: str | torch.device | None = None,
+    *,
+    run_id: str | None = None,
 ) -> Snapshot:
     """Read and verify a snapshot written by :meth:`Snapshot.save`.
 
-    Raises FileNotFoundError when there is no file, and :class:`SnapshotError` (naming
-    the path) when it is not a snapshot, is truncated, fails its checksum, or its
-    payload does not load as one (``weights_only=True``: it cannot run code).
+    ``run_id``: the run the file must have been written by (None: any run, and a file
+    without a run id). Checked in this order, before the payload is unpickled: the
+    header, the length, the SHA-256 (over the identity and the payload), the step the
+    file's name says (``snapshot-<step>.fgs``: a file holding another step is
+    misnamed), then the run.
+
+    Raises FileNotFoundError when there is no file, :class:`ForeignSnapshotError` for
+    another run's file, and :class:`SnapshotError` (naming the path) when it is not a
+    snapshot, is truncated, fails its checksum, is misnamed, or its payload does not
+    load as one (``weights_only=True``: it cannot run code).
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no snapshot at {p}")
-    raw = p.read_bytes()
-    head = len(MAGIC) + _HEADER.size
-    if not raw.startswith(MAGIC):
-        what = "an empty file" if not raw else "no snapshot header"
-        raise SnapshotError(f"{p} is not a floatguard snapshot ({what})")
-    if len(raw) < head:
-        raise SnapshotError(f"{p}: truncated snapshot (the header is cut short)")
-    length, digest = _HEADER.unpack_from(raw, len(MAGIC))
-    data = memoryview(raw)[head:]
-    if len(data) != length:
-        raise SnapshotError(
-            f"{p}: truncated or padded snapshot ({len(data)} payload bytes, the header "
-            f"says {length})"
-        )
-    if hashlib.sha256(data).digest() != digest:
-        raise SnapshotError(f"{p}: corrupted snapshot (SHA-256 of the payload does not match)")
+    step, run, data = verified(p, p.read_bytes())
+    if step is not None:  # a format 1 file's step is in its payload: checked below
+        check_name(p, step)
+    check_run(p, run, run_id)
     try:
         payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        return Snapshot(
-            int(payload["step"]), payload["states"], payload["rng"], payload.get("meta", {})
+        snap = Snapshot(
+            int(payload["step"]),
+            payload["states"],
+            payload["rng"],
+            payload.get("meta", {}),
+            run_id=run,
         )
     except Exception as e:  # a payload that verifies but is not ours
         raise SnapshotError(
             f"{p}: the payload is not a floatguard snapshot ({type(e).__name__})"
         ) from None
-
-
-_NAME = re.compile(r"^snapshot-(\d{9})\.fgs$")
+    if step is not None and snap.step != step:
+        raise SnapshotError(f"{p}: the header says step {step}, the payload {snap.step}")
+    check_name(p, snap.step)
+    return snap
 
 
 class SnapshotStore:
     """The last ``keep`` snapshots of a run in ``folder``: ``snapshot-<step>.fgs``.
 
-    :meth:`save` first removes the temporary files interrupted saves left
-    (``.snapshot-*.tmp``; never read as snapshots), writes atomically, then removes
-    the oldest snapshots beyond ``keep``. :meth:`load_latest` returns the newest one
-    that verifies, and says which newer ones did not.
+    ``run_id``: the run whose snapshots these are (None: a store without run ids).
+    :meth:`save` stamps it in each file's header; :meth:`load_latest` skips files of
+    other runs; only the run's own files count toward ``keep`` and are removed (another
+    run's files, and files that are not snapshots, are left alone).
+
+    ``exclusive``: the store's user holds the folder's lock (see
+    :class:`~floatguard.stability.snapshot_folder.FolderLock`): no other process writes
+    there, so any temp file of another process is a leftover. Otherwise only those of
+    a writer known to be gone are (a dead pid of this host; a file from an older
+    floatguard), and two stores writing one folder never remove each other's.
+
+    :meth:`save` first removes the leftovers of interrupted saves (``.snapshot-*.tmp``;
+    never read as snapshots), writes atomically, then removes the run's oldest
+    snapshots beyond ``keep``. :meth:`load_latest` returns the newest one that
+    verifies, and says which newer ones did not and why.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], keep: int = 2) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        keep: int = 2,
+        *,
+        run_id: str | None = None,
+        exclusive: bool = False,
+    ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"SnapshotStore(keep={keep!r}) must be an int >= 1")
+        run_bytes(run_id)  # a malformed run id is refused here, not at the first save
         self.folder = Path(folder)
         self.keep = keep
+        self.run_id = run_id
+        self.exclusive = exclusive
 
     def path_for(self, step: int) -> Path:
+        """``snapshot-<step>.fgs``, the step with at least 9 digits (more when it needs them)."""
         return self.folder / f"snapshot-{step:09d}.fgs"
 
     def paths(self) -> list[Path]:
-        """The snapshot files, newest (highest step) first."""
+        """The snapshot files (of any run), newest (highest step) first."""
         if not self.folder.is_dir():
             return []
-        found = [p for p in self.folder.iterdir() if _NAME.match(p.name)]
-        return sorted(found, key=lambda p: p.name, reverse=True)
+        found = [(s, p) for p in self.folder.iterdir() if (s := step_of(p.name)) is not None]
+        return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
+
+    def own(self) -> list[Path]:
+        """This run's snapshot files (by their header: the run id, and the step their
+        name says), newest first."""
+        mine = []
+        for p in self.paths():
+            ident = read_identity(p)
+            if ident is None or ident[1] != self.run_id:
+                continue
+            if ident[0] is None or ident[0] == step_of(p.name):  # not a misnamed one
+                mine.append(p)
+        return mine
 
     def leftovers(self) -> list[Path]:
-        """Temporary files of interrupted saves."""
+        """Temporary files of interrupted saves (never this process's own: it may be
+        writing one in another thread)."""
         if not self.folder.is_dir():
             return []
-        return [p for p in self.folder.iterdir() if p.name.startswith(".snapshot-")]
+        me = writer_tag()
+        out = []
+        for p in self.folder.iterdir():
+            if not p.name.startswith(".snapshot-"):
+                continue
+            m = TEMP_NAME.match(p.name)
+            tag = m.group(1) if m else None
+            if tag != me and (self.exclusive or writer_gone(tag)):
+                out.append(p)
+        return out
 
     def save(self, snapshot: Snapshot) -> Path:
+        """Write ``snapshot`` as this run's (its run id set to the store's; the
+        snapshot given is not changed), then prune the run's files beyond ``keep``."""
         for p in self.leftovers():
             p.unlink(missing_ok=True)
-        path = snapshot.save(self.path_for(snapshot.step))
-        for old in self.paths()[self.keep :]:
+        stamped = dataclasses.replace(snapshot, run_id=self.run_id)
+        path = stamped.save(self.path_for(snapshot.step))
+        for old in self.own()[self.keep :]:
             old.unlink(missing_ok=True)
         return path
 
     def load_latest(
-        self, map_location: str | torch.device | None = None
+        self, map_location: str | torch.device | None = None, *, foreign: bool = False
     ) -> tuple[Snapshot, Path, list[tuple[Path, str]]]:
-        """(snapshot, its path, [(newer bad path, why)]); SnapshotError when none is good."""
+        """(snapshot, its path, [(newer path passed over, why)]): the newest file that
+        verifies, is not misnamed, and is this run's (``foreign=True``: any run's).
+        SnapshotError when there is none, with every file's reason."""
         bad: list[tuple[Path, str]] = []
+        expected = None if foreign else self.run_id
         for p in self.paths():
             try:
-                return load_snapshot(p, map_location), p, bad
+                return load_snapshot(p, map_location, run_id=expected), p, bad
             except (SnapshotError, OSError) as e:
                 bad.append((p, str(e)))
         why = "; ".join(f"{p.name}: {e}" for p, e in bad) or "the folder holds none"
