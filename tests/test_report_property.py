@@ -18,6 +18,7 @@ from floatguard._event_schema import FIELD_TYPES, STATS_TENSOR_TYPES
 from floatguard.diagnose import _RULES, diagnose
 from floatguard.events import SCHEMA_VERSION, encode_value, read_events
 from floatguard.report import render_report
+from floatguard.runlog import RunLog
 
 EXTREME = [0.0, -0.0, 5e-324, 1e-308, 1.0, 65504.0, 1.7976931348623157e308, -1e308, 709.8]
 numbers = st.one_of(
@@ -157,8 +158,9 @@ def test_any_valid_stream_renders_and_every_rule_runs(records: list[dict[str, An
         events = list(read_events(log, errors=problems))
         assert problems == []  # valid by the schema: every line reads
         assert len(events) == len(records)
+        log = RunLog.from_events(events)
         for rule in _RULES:  # each rule on its own: none raises
-            rule(events)
+            rule(log)
         found = diagnose(events)
         assert all(f.rule != "rule_failed" for f in found), [f.evidence for f in found]
         page = render_report(log, Path(tmp) / "report").read_text(encoding="utf-8")

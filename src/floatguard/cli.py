@@ -380,21 +380,33 @@ def _print_findings(found: list[Any]) -> None:
         _out.print(f"  fix: {escape(printable(f.fix, 2000))}", markup=True)
 
 
-def _events_of(run: Path) -> tuple[list[Any], list[str]]:
-    from floatguard.events import read_events
+def _read_runs(runs: list[Path]) -> tuple[Any, list[str]]:
+    """The logs as one :class:`~floatguard.runlog.RunLog` (streamed; a progress bar on a
+    terminal for a long read) and the lines that could not be read."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    if not run.is_file():
-        raise _fail(f"{str(run)!r}: no such file (give a run's events.jsonl)")
+    from floatguard.runlog import RunLog
+
+    for run in runs:
+        if not run.is_file():
+            raise _fail(f"{str(run)!r}: no such file (give a run's events.jsonl)")
     problems: list[str] = []
+    total = sum(run.stat().st_size for run in runs)
+    show = _err.is_terminal and total > 16 << 20
+    bar = Progress(BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=_err,
+                   transient=True, disable=not show)  # fmt: skip
+    task = bar.add_task("reading", total=total)
     try:
-        events = list(read_events(run, errors=problems))
+        with bar:
+            log = RunLog.read(
+                list(runs), problems, lambda done, _t: bar.update(task, completed=done)
+            )
     except OSError as e:
-        raise _fail(f"{str(run)!r}: cannot read it ({e.strerror or e})") from None
-    if not events:
-        raise _fail(
-            f"{str(run)!r} holds no readable event" + (f": {problems[0]}" if problems else "")
-        )
-    return events, problems
+        raise _fail(f"{str(e.filename or runs[0])!r}: cannot read it ({e.strerror or e})") from None
+    if not len(log) and not log.counts:
+        names = ", ".join(repr(str(r)) for r in runs)
+        raise _fail(f"{names} holds no readable event" + (f": {problems[0]}" if problems else ""))
+    return log, problems
 
 
 @app.command()
@@ -414,9 +426,10 @@ def report(
     from floatguard.report import render_report
 
     folder = _out_dir(out, "--out")
-    problems = [p for run in runs for p in _events_of(run)[1]]
+    log, problems = _read_runs(list(runs))
     try:
-        index = render_report(list(runs), folder)
+        origin = ", ".join(str(r) for r in runs)
+        index = render_report(log, folder, origin=origin, problems=problems)
     except OSError as e:
         raise _write_failed(e, folder) from None
     for p in problems:
@@ -432,8 +445,8 @@ def diagnose_cmd(
     """Print the diagnosis of a run: findings with evidence, likely cause and fix."""
     from floatguard.diagnose import diagnose
 
-    events, problems = _events_of(run)
-    found = diagnose(events)
+    log, problems = _read_runs([run])
+    found = diagnose(log)
     if as_json:
         print(json.dumps([f.to_dict() for f in found], allow_nan=False))
         return

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from floatguard._event_schema import finite as _finite
-from floatguard.events import Event, conform_events
+from floatguard.events import Event
+from floatguard.runlog import RunLog, Steps
 
 __all__ = ["Finding", "RunInfo", "diagnose", "run_info"]
 
@@ -90,8 +91,8 @@ class RunInfo:
 def run_info(events: Iterable[Event]) -> RunInfo:
     """The run's :class:`RunInfo`: from its last ``run`` event, else from the steps'
     loss scale (a scale other than 1 means fp16 with loss scaling)."""
-    evs = list(events)
-    runs = [e for e in evs if e.kind == "run"]
+    log = RunLog.from_events(events)
+    runs = log.of_kind("run")
     if runs:
         r = runs[-1].fields
         precision = r.get("precision") if r.get("precision") in ("fp32", "bf16", "fp16") else None
@@ -101,44 +102,34 @@ def run_info(events: Iterable[Event]) -> RunInfo:
         kind = clip.get("kind") if isinstance(clip.get("kind"), str) else None
         cap = float(clip["max_norm"]) if _finite(clip.get("max_norm")) else None
         return RunInfo(precision, scaling, dtypes, kind, cap if cap and cap > 0 else None)
-    scaled = any(_finite(e.fields.get("scale")) and e.fields["scale"] > 1.0
-                 for e in evs if e.kind == "step")  # fmt: skip
+    scaled = any(_finite(v) and v > 1.0 for v in log.steps.column("scale"))
     return RunInfo(None, True if scaled else None, ())
 
 
-def clipped_steps(events: Iterable[Event], info: RunInfo) -> tuple[list[Event], list[Event]]:
-    """The applied steps whose gradient was clipped: by the absolute cap (the clipped
-    norm, grad_norm * clip_coef, equals ``info.clip_cap``) and by ZClip's z-score (the
-    rest). Without a known cap, every clipped step is in the second list."""
-    by_cap: list[Event] = []
-    by_z: list[Event] = []
-    for e in events:
-        if e.kind != "step" or e["action"] != "applied":
+def clipped_steps(steps: Steps, info: RunInfo) -> tuple[list[int], list[int]]:
+    """The indices of the applied steps whose gradient was clipped: by the absolute cap
+    (the clipped norm, grad_norm * clip_coef, equals ``info.clip_cap``) and by ZClip's
+    z-score (the rest). Without a known cap, every clipped step is in the second list."""
+    by_cap: list[int] = []
+    by_z: list[int] = []
+    cap = info.clip_cap
+    columns = zip(steps.column("action"), steps.column("clip_coef"), steps.column("grad_norm"),
+                  strict=True)  # fmt: skip
+    for j, (action, coef, norm) in enumerate(columns):
+        if action != "applied" or not (_finite(coef) and coef < 1.0 and _finite(norm)):
             continue
-        coef, norm = e["clip_coef"], e["grad_norm"]
-        if not (_finite(coef) and coef < 1.0 and _finite(norm)):
-            continue
-        cap = info.clip_cap
         at_cap = cap is not None and abs(norm * coef - cap) <= 1e-3 * cap
-        (by_cap if at_cap else by_z).append(e)
+        (by_cap if at_cap else by_z).append(j)
     return by_cap, by_z
 
 
-Rule = Callable[[list[Event]], list[Finding]]
+Rule = Callable[[RunLog], list[Finding]]
 _RULES: list[Rule] = []
 
 
 def _rule(fn: Rule) -> Rule:
     _RULES.append(fn)
     return fn
-
-
-def _steps(events: list[Event]) -> list[Event]:
-    return [e for e in events if e.kind == "step"]
-
-
-def _faults(events: list[Event]) -> list[Event]:
-    return [e for e in events if e.kind == "fault"]
 
 
 def _where(e: Event) -> str:
@@ -150,12 +141,12 @@ def _name(e: Event) -> str:
 
 
 @_rule
-def bad_input(events: list[Event]) -> list[Finding]:
-    hits = [e for e in _faults(events) if e["phase"] == "input"]
+def bad_input(events: RunLog) -> list[Finding]:
+    hits = [e for e in events.of_kind("fault") if e["phase"] == "input"]
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
-    stopped = any(e.kind == "stop" and e.fields.get("reason") == "bad_data" for e in events)
+    stopped = any(e.fields.get("reason") == "bad_data" for e in events.of_kind("stop"))
     done = (
         "the guard stopped the run: so many batches were non-finite that training on "
         "would learn from too little data"
@@ -178,12 +169,12 @@ def bad_input(events: list[Event]) -> list[Finding]:
     return found
 
 
-def _repeated_input(events: list[Event], hits: list[Event], stopped: bool) -> Finding:
+def _repeated_input(events: RunLog, hits: list[Event], stopped: bool) -> Finding:
     """Bad batches that keep coming: a period (the same sample every epoch) or a share
     of all steps (a pipeline that is broken, not unlucky)."""
     steps = [e.step for e in hits]
     gaps = {b - a for a, b in itertools.pairwise(steps)}
-    total = len({e.step for e in _steps(events)}) or len(steps)
+    total = len(set(events.steps.step)) or len(steps)
     tensors = sorted({str(e["tensor"]) for e in hits if e["tensor"]})
     if len(gaps) == 1 and next(iter(gaps)) > 1:
         pattern = (
@@ -222,8 +213,10 @@ def _param_kind(e: Event) -> str:
 
 
 @_rule
-def optimizer_update(events: list[Event]) -> list[Finding]:
-    hits = [e for e in _faults(events) if e["phase"] == "param" and _param_kind(e) == "update"]
+def optimizer_update(events: RunLog) -> list[Finding]:
+    hits = [
+        e for e in events.of_kind("fault") if e["phase"] == "param" and _param_kind(e) == "update"
+    ]
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
@@ -258,8 +251,10 @@ def optimizer_update(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def bad_optimizer_state(events: list[Event]) -> list[Finding]:
-    hits = [e for e in _faults(events) if e["phase"] == "param" and _param_kind(e) == "state"]
+def bad_optimizer_state(events: RunLog) -> list[Finding]:
+    hits = [
+        e for e in events.of_kind("fault") if e["phase"] == "param" and _param_kind(e) == "state"
+    ]
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
@@ -296,16 +291,17 @@ def bad_optimizer_state(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def bad_parameter(events: list[Event]) -> list[Finding]:
+def bad_parameter(events: RunLog) -> list[Finding]:
     hits = [
-        e for e in _faults(events)
+        e for e in events.of_kind("fault")
         if e["phase"] == "param" and _param_kind(e) in ("weight", "magnitude")
     ]  # fmt: skip
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
     spikes_before = [
-        e for e in events if e.kind in ("spike", "lr_backoff") and hits[0].step - 20 <= e.step
+        e for e in [*events.of_kind("spike"), *events.of_kind("lr_backoff")]
+        if hits[0].step - 20 <= e.step
         < hits[0].step
     ]  # fmt: skip
     if all(_param_kind(e) == "magnitude" for e in hits):
@@ -338,9 +334,9 @@ def bad_parameter(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def masked_softmax(events: list[Event]) -> list[Finding]:
+def masked_softmax(events: RunLog) -> list[Finding]:
     hits = [
-        e for e in _faults(events)
+        e for e in events.of_kind("fault")
         if e["kind_of_value"] == "nan" and "softmax" in (e["op"] or "")
     ]  # fmt: skip
     if not hits:
@@ -359,8 +355,8 @@ def masked_softmax(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def exp_overflow(events: list[Event]) -> list[Finding]:
-    hits = [e for e in _faults(events) if (e["op"] or "").startswith("aten.exp")]
+def exp_overflow(events: RunLog) -> list[Finding]:
+    hits = [e for e in events.of_kind("fault") if (e["op"] or "").startswith("aten.exp")]
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
@@ -388,11 +384,13 @@ def _is_norm(e: Event) -> bool:
 
 
 @_rule
-def norm_eps(events: list[Event]) -> list[Finding]:
+def norm_eps(events: RunLog) -> list[Finding]:
     """A normalization's fault: a vanishing variance (tiny eps) or an input that was
     already out of range (its square overflows); the fault's ``input_amax`` tells
     them apart, and without it the finding says the evidence is missing."""
-    hits = [e for e in _faults(events) if e["phase"] not in ("input", "param") and _is_norm(e)]
+    hits = [
+        e for e in events.of_kind("fault") if e["phase"] not in ("input", "param") and _is_norm(e)
+    ]
     if not hits:
         return []
     huge = [e for e in hits if _finite(e["input_amax"]) and e["input_amax"] > _SQUARE_OVERFLOWS]
@@ -433,14 +431,14 @@ def norm_eps(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def repeated_module(events: list[Event]) -> list[Finding]:
-    by = Counter((e["module"], e["phase"], e["op"]) for e in _faults(events)
+def repeated_module(events: RunLog) -> list[Finding]:
+    by = Counter((e["module"], e["phase"], e["op"]) for e in events.of_kind("fault")
                  if e["phase"] not in ("input", "param"))  # fmt: skip
     out = []
     for (module, phase, op), n in by.items():
         if n < 2:
             continue
-        steps = tuple(e.step for e in _faults(events)
+        steps = tuple(e.step for e in events.of_kind("fault")
                       if (e["module"], e["phase"], e["op"]) == (module, phase, op))  # fmt: skip
         out.append(Finding(
             "repeated_module", f"Repeated faults in {module or '<root>'}",
@@ -455,8 +453,8 @@ def repeated_module(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def scale_collapse(events: list[Event]) -> list[Finding]:
-    over = [e for e in events if e.kind == "overflow"]
+def scale_collapse(events: RunLog) -> list[Finding]:
+    over = list(events.of_kind("overflow"))
     if not over:
         return []
     afters = [e["scale_after"] for e in over if _finite(e["scale_after"])]
@@ -483,17 +481,17 @@ def scale_collapse(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def loss_spikes(events: list[Event]) -> list[Finding]:
+def loss_spikes(events: RunLog) -> list[Finding]:
     """Spikes, told apart by their replay (the guard replays a spike's step when it
     can): one that spikes again is in the batch or the weights; one that does not is a
     transient of the computation; without a replay, the common causes."""
-    spikes = [e for e in events if e.kind == "spike"]
+    spikes = list(events.of_kind("spike"))
     if not spikes:
         return []
     again = [e for e in spikes if e["reproduced"] is True]
     gone = [e for e in spikes if e["reproduced"] is False]
     unknown = [e for e in spikes if e["reproduced"] is None]
-    rolled = [e for e in events if e.kind == "rollback" and e["cause"] is None]
+    rolled = [e for e in events.of_kind("rollback") if e["cause"] is None]
     out = []
     if again or unknown:
         hits = again + unknown
@@ -538,8 +536,8 @@ def loss_spikes(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def transients(events: list[Event]) -> list[Finding]:
-    hits = [e for e in _faults(events) if e["deterministic"] is False]
+def transients(events: RunLog) -> list[Finding]:
+    hits = [e for e in events.of_kind("fault") if e["deterministic"] is False]
     if len(hits) < 2:
         return []
     steps = tuple(e.step for e in hits)
@@ -555,15 +553,17 @@ def transients(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def loss_nan_unguarded(events: list[Event]) -> list[Finding]:
-    steps = _steps(events)
-    bad = [e for e in steps if not _finite(e["loss"])]
-    if not bad or _faults(events):
+def loss_nan_unguarded(events: RunLog) -> list[Finding]:
+    steps = events.steps
+    losses = steps.column("loss")
+    bad = [j for j, v in enumerate(losses) if not _finite(v)]
+    if not bad or events.of_kind("fault"):
         return []
-    first = bad[0].step
+    first = steps.step[bad[0]]
     before = [
-        e["grad_norm"] for e in steps if first - 20 <= e.step < first and _finite(e["grad_norm"])
-    ]
+        g for s, g in zip(steps.step, steps.column("grad_norm"), strict=True)
+        if first - 20 <= s < first and _finite(g)
+    ]  # fmt: skip
     growing = len(before) >= 4 and before[-1] > 10 * statistics.median(before[: len(before) // 2])
     cause = (
         "divergence: the gradient norm grew >10x over the steps before, so the updates "
@@ -584,8 +584,8 @@ def loss_nan_unguarded(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def loss_stuck(events: list[Event]) -> list[Finding]:
-    losses = [e["loss"] for e in _steps(events)[-50:] if _finite(e["loss"])]
+def loss_stuck(events: RunLog) -> list[Finding]:
+    losses = [e["loss"] for e in events.steps[-50:] if _finite(e["loss"])]
     if len(losses) < 30:
         return []
     if max(abs(v) for v in losses) > 700.0:  # no ln(n) of a class count is this large
@@ -608,8 +608,13 @@ def loss_stuck(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def zero_grad_norm(events: list[Event]) -> list[Finding]:
-    zeros = [e for e in _steps(events) if e["grad_norm"] == 0.0 and e["action"] == "applied"]
+def zero_grad_norm(events: RunLog) -> list[Finding]:
+    steps = events.steps
+    zeros = [
+        steps[j] for j, (g, a) in enumerate(zip(steps.column("grad_norm"),
+                                                steps.column("action"), strict=True))
+        if g == 0.0 and a == "applied"
+    ]  # fmt: skip
     if len(zeros) < 3:
         return []
     fp16 = run_info(events).fp16
@@ -628,7 +633,7 @@ def zero_grad_norm(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def gradient_underflow(events: list[Event]) -> list[Finding]:
+def gradient_underflow(events: RunLog) -> list[Finding]:
     """Gradients that fp16 flushes to zero, measured on the sampled steps' statistics;
     what it means depends on the run's precision (``run`` event): a loss in an fp16 run
     without scaling, a lifted loss with scaling, and only a forecast in bf16/fp32."""
@@ -686,8 +691,8 @@ def gradient_underflow(events: list[Event]) -> list[Finding]:
     )]  # fmt: skip
 
 
-def _samples(events: list[Event]) -> list[Event]:
-    return [e for e in events if e.kind == "stats" and e["tensors"]]
+def _samples(events: RunLog) -> list[Event]:
+    return [e for e in events.of_kind("stats") if e["tensors"]]
 
 
 def _count(t: dict[str, Any], key: str) -> int:
@@ -696,7 +701,7 @@ def _count(t: dict[str, Any], key: str) -> int:
 
 
 @_rule
-def dead_layers(events: list[Event]) -> list[Finding]:
+def dead_layers(events: RunLog) -> list[Finding]:
     """Layers whose gradient is all zero on a sampled step: dead units or underflow."""
     dead: dict[str, int] = {}
     zero_acts: dict[str, float] = {}
@@ -736,7 +741,7 @@ def dead_layers(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def attention_logits(events: list[Event]) -> list[Finding]:
+def attention_logits(events: RunLog) -> list[Finding]:
     """Attention inputs (q/k projections) whose amax grows over the run: logits grow as
     their product, and the softmax saturates (the lesson on 1/sqrt(d_k))."""
     series: dict[str, list[tuple[int, float]]] = {}
@@ -769,15 +774,16 @@ def attention_logits(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def fp16_divergence(events: list[Event]) -> list[Finding]:
+def fp16_divergence(events: RunLog) -> list[Finding]:
     """An fp16 run whose loss goes non-finite after a burst of overflows."""
-    steps = _steps(events)
+    steps = events.steps
     if not run_info(events).fp16:
         return []
-    bad = [e.step for e in steps if e["loss"] is not None and not _finite(e["loss"])]
+    bad = [s for s, v in zip(steps.step, steps.column("loss"), strict=True)
+           if v is not None and not _finite(v)]  # fmt: skip
     if not bad:
         return []
-    over = [e.step for e in events if e.kind == "overflow" and bad[0] - 50 <= e.step <= bad[0]]
+    over = [e.step for e in events.of_kind("overflow") if bad[0] - 50 <= e.step <= bad[0]]
     if len(over) < 3:
         return []
     return [Finding(
@@ -793,21 +799,22 @@ def fp16_divergence(events: list[Event]) -> list[Finding]:
 
 
 @_rule
-def clipped_most_steps(events: list[Event]) -> list[Finding]:
+def clipped_most_steps(events: RunLog) -> list[Finding]:
     """The absolute cap clips most healthy steps: the cap, not the adaptive rule, then
     sets every update's size (like a lower learning rate)."""
     info = run_info(events)
     if info.clip_cap is None:
         return []
-    applied = [e for e in _steps(events) if e["action"] == "applied"]
-    by_cap, by_z = clipped_steps(applied, info)
-    if len(applied) < 20 or len(by_cap) < 0.5 * len(applied):
+    applied = events.steps.column("action").count("applied")
+    by_cap, by_z = clipped_steps(events.steps, info)
+    if applied < 20 or len(by_cap) < 0.5 * applied:
         return []
-    norms = sorted(e["grad_norm"] for e in by_cap)
+    all_norms = events.steps.column("grad_norm")
+    norms = sorted(all_norms[j] for j in by_cap)
     what = "ZClip's absolute cap (max_grad_norm)" if info.clip_kind == "zclip" else "the cap"
     return [Finding(
         "clipped_most_steps", "The gradient-norm cap clips most steps",
-        f"{len(by_cap)} of {len(applied)} applied steps clipped to the cap "
+        f"{len(by_cap)} of {applied} applied steps clipped to the cap "
         f"{info.clip_cap:g} (median norm before clipping {norms[len(norms) // 2]:.3g})"
         + (f"; {len(by_z)} more by ZClip's z-score" if by_z else ""),
         f"{what} is below this model's usual gradient norm, so every update is scaled "
@@ -821,13 +828,15 @@ def clipped_most_steps(events: list[Event]) -> list[Finding]:
 
 
 def diagnose(events: Iterable[Event]) -> list[Finding]:
-    """Run every rule over ``events``; the findings, most severe first (then earliest)."""
+    """Run every rule over ``events`` (a :class:`~floatguard.runlog.RunLog`, or any
+    events: checked and completed as the reader does); the findings, most severe first
+    (then earliest)."""
     problems: list[str] = []
-    evs = conform_events(events, problems)
+    log = RunLog.from_events(events, problems)
     found: list[Finding] = []
     for rule in _RULES:
         try:
-            found.extend(rule(evs))
+            found.extend(rule(log))
         except Exception as e:  # a rule's bug must not hide the others' findings
             found.append(Finding(
                 "rule_failed", f"The {rule.__name__} rule could not read this run",

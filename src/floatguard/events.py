@@ -397,7 +397,8 @@ def _parse(raw: bytes, where: str) -> Event:
         raise ValueError(f"{where}: nested too deeply") from None
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: a line must be a JSON object, got {type(rec).__name__}")
-    if _depth(rec, _MAX_DEPTH) > _MAX_DEPTH:
+    # (a line with fewer brackets than the limit cannot nest deeper: skip the walk)
+    if raw.count(b"[") + raw.count(b"{") > _MAX_DEPTH and _depth(rec, _MAX_DEPTH) > _MAX_DEPTH:
         raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH} levels")
     schema = rec.get("schema", 1)
     if isinstance(schema, bool) or not isinstance(schema, int) or schema < 1:
@@ -427,7 +428,10 @@ def _parse(raw: bytes, where: str) -> Event:
         raise ValueError(f"{where}: 'time' is out of range ({str(t)[:20]}...)") from None
     if abs(rec["step"]) >= 2**63:
         raise ValueError(f"{where}: 'step' is out of range ({str(rec['step'])[:20]}...)")
-    fields = {k: _decode(v, schema, k) for k, v in rec.items() if k not in ENVELOPE}
+    if schema >= 2 and b'"$float"' not in raw:  # nothing tagged: the values are as read
+        fields = {k: v for k, v in rec.items() if k not in ENVELOPE}
+    else:
+        fields = {k: _decode(v, schema, k) for k, v in rec.items() if k not in ENVELOPE}
     fields, why = conform_fields(rec["kind"], fields)
     if why is not None:
         raise ValueError(f"{where}: {why}")
@@ -468,7 +472,11 @@ def _without_nuls(raw: bytes, where: str) -> bytes:
 
 
 def read_events(
-    path: str | os.PathLike[str], *, strict: bool = False, errors: list[str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = False,
+    errors: list[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[Event]:
     """Events of a JSONL file written by :class:`EventLog` (schema 1 or 2), streamed (one
     line in memory at a time).
@@ -481,9 +489,16 @@ def read_events(
     a literal), a zero-filled line, or one cut short and zero-filled (what a crash
     leaves on some filesystems) is skipped with a RuntimeWarning, or raises with
     ``strict=True``. A UTF-8 byte-order mark is ignored; blank lines are skipped.
+    ``progress(bytes_read, total_bytes)`` is called every few MB (a progress bar).
     """
+    total = os.path.getsize(path)
+    read, reported = 0, 0
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
+            read += len(raw)
+            if progress is not None and read - reported >= 4 << 20:
+                progress(read, total)
+                reported = read
             raw = raw.rstrip(b"\r\n")
             if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a BOM (an editor's)
                 raw = raw[3:]

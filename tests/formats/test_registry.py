@@ -196,5 +196,5 @@ def test_custom_format_arguments_are_checked_where_given() -> None:
 
 @pytest.mark.parametrize("name", ["e99999999999999999999m1", "e0m3", "e12m3"])
 def test_an_out_of_range_custom_format_is_a_value_error_naming_it(name: str) -> None:
-    with pytest.raises(ValueError, match=r"exponent_bits=\d+ is out of range"):
+    with pytest.raises(ValueError, match=rf"format {name!r}: exponent_bits=\d+ is out of range"):
         get(name)

@@ -427,9 +427,13 @@ def get(spec: str | torch.dtype | Format) -> Format:
     m = _EXMY.match(key)
     if m:  # any eXmY[fn|fnuz] spelling: a custom format of that layout
         e, mant, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
-        if suffix == "fnuz":  # the fnuz convention (ml_dtypes, AMD): bias 2**(e - 1)
-            return Format.custom(e, mant, special="fnuz", bias=1 << (e - 1) if e else 0)
-        return Format.custom(e, mant, ieee=suffix is None)
+        try:
+            if suffix == "fnuz":  # the fnuz convention (ml_dtypes, AMD): bias 2**(e - 1)
+                bias = 1 << (e - 1) if 1 <= e <= 64 else 0
+                return Format.custom(e, mant, special="fnuz", bias=bias)
+            return Format.custom(e, mant, ieee=suffix is None)
+        except ValueError as err:
+            raise ValueError(f"format {spec!r}: {err}") from None
     candidates = list(FORMATS) + list(_ALIASES)
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     known = ", ".join(FORMATS)

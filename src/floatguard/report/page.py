@@ -7,14 +7,16 @@ import dataclasses
 import html
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from floatguard._event_schema import finite as _finite
 from floatguard.diagnose import Finding, RunInfo, clipped_steps, diagnose, run_info
-from floatguard.events import Event, EventLog, conform_events, read_events
+from floatguard.events import Event, conform_events
+from floatguard.runlog import RunLog
 
 __all__ = ["Verdict", "global_view", "reduce_stats", "render_report", "verdict_of"]
 
@@ -29,23 +31,23 @@ class Verdict:
     steps: int
 
 
-def verdict_of(events: list[Event]) -> Verdict:
-    steps = [e for e in events if e.kind == "step"]
-    faults = [e for e in events if e.kind == "fault"]
-    stops = [e for e in events if e.kind == "stop"]
-    bad_tail = steps[-5:] and all(not _finite(e["loss"]) for e in steps[-5:])
+def verdict_of(events: Iterable[Event]) -> Verdict:
+    log = RunLog.from_events(events)
+    steps, faults, stops = log.steps, log.of_kind("fault"), log.of_kind("stop")
+    losses = steps.column("loss")
+    bad_tail = bool(losses[-5:]) and all(not _finite(v) for v in losses[-5:])
     if stops:
         s = stops[-1]
         why = f" ({s['fault']})" if s["fault"] else ""
         text = f"Stopped at step {s.step}: {s['reason']}{why}"
         return Verdict("died", text, len(faults), len(steps))
     if bad_tail:
-        first = next(e.step for e in steps if not _finite(e["loss"]))
+        first = next(steps.step[j] for j, v in enumerate(losses) if not _finite(v))
         return Verdict(
             "died", f"Died at step {first}: the loss stayed non-finite to the end",
             len(faults), len(steps),
         )  # fmt: skip
-    not_applied = sum(1 for e in steps if e["action"] != "applied")
+    not_applied = len(steps) - steps.column("action").count("applied")
     if faults or not_applied:
         return Verdict(
             "recovered",
@@ -60,10 +62,6 @@ def verdict_of(events: list[Event]) -> Verdict:
 # kinds are read from one rank (the lowest); the rest are each rank's own.
 _AGREED = frozenset({"step", "overflow", "spike", "lr_backoff", "rollback", "snapshot",
                      "resume", "stop", "fault"})  # fmt: skip
-
-
-def _ranks(events: list[Event]) -> list[int]:
-    return sorted({e.rank for e in events})
 
 
 def reduce_stats(tensors_by_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -126,57 +124,63 @@ def _tensor_fields(t: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def global_view(events: list[Event]) -> list[Event]:
+def global_view(events: Iterable[Event]) -> RunLog:
     """The run as one stream: the agreed kinds from the lowest rank, every rank's own
     events (warnings, snapshot errors), ``stats`` reduced over ranks per step
     (:func:`reduce_stats`), and a fault seen only on another rank (logs written before
     every rank logged faults) kept too. One rank's events come back as they are."""
-    ranks = _ranks(events)
+    log = RunLog.from_events(events)
+    ranks = log.ranks
     if len(ranks) <= 1:
-        return events
+        return log
     lead = ranks[0]
-    out: list[Event] = []
-    fault_steps = {e.step for e in events if e.kind == "fault" and e.rank == lead}
+    out = RunLog()
+    lead_steps = log.steps.where(lambda j: log.steps.rank[j] == lead)
+    out.steps = lead_steps
+    out.counts, out.rank_counts = log.counts, log.rank_counts
+    fault_steps = {e.step for e in log.of_kind("fault") if e.rank == lead}
     stats: dict[int, list[list[dict[str, Any]]]] = {}
-    for e in events:
+    kept: list[Event] = []
+    for e in log.events:
         if e.kind == "stats":
             stats.setdefault(e.step, []).append(e["tensors"] or [])
         elif e.kind in _AGREED:
             if e.rank == lead:
-                out.append(e)
+                kept.append(e)
             elif e.kind == "fault" and e.step not in fault_steps:
                 fault_steps.add(e.step)
-                out.append(e)
+                kept.append(e)
         else:
-            out.append(e)
+            kept.append(e)
     for step, parts in stats.items():
-        out.append(Event("stats", step, {"tensors": reduce_stats(parts)}, rank=lead))
-    out.sort(key=lambda e: (e.step, e.time))
+        kept.append(Event("stats", step, {"tensors": reduce_stats(parts)}, rank=lead))
+    kept.sort(key=lambda e: (e.step, e.time))
+    out.events = kept
     return out
 
 
-def _rank_table(events: list[Event]) -> str:
-    ranks = _ranks(events)
+def _rank_table(log: RunLog) -> str:
+    ranks = log.ranks
     if len(ranks) <= 1:
         return ""
-    born = {
-        (e.step, e.rank if e.fields.get("fault_rank") is None else e.fields["fault_rank"])
-        for e in events
-        if e.kind == "fault"
-    }
+    faults = log.of_kind("fault")
+    born = {(e.step, e.rank if e["fault_rank"] is None else e["fault_rank"]) for e in faults}
+    last_step: dict[int, int] = {}  # rank -> index of its last step
+    for j, r in enumerate(log.steps.rank):
+        last_step[r] = j
+    steps_of = Counter(log.steps.rank)
     rows = []
     for r in ranks:
-        mine = [e for e in events if e.rank == r]
-        steps = [e for e in mine if e.kind == "step"]
-        stop = next((e for e in reversed(mine) if e.kind == "stop"), None)
+        stop = next((e for e in reversed(log.of_kind("stop")) if e.rank == r), None)
+        last = log.steps[last_step[r]]["loss"] if r in last_step else None
         rows.append(
-            f"<tr><td>rank {r}</td><td>{len(mine)}</td><td>{len(steps)}</td>"
-            f"<td>{sum(1 for e in mine if e.kind == 'fault')}</td>"
+            f"<tr><td>rank {r}</td><td>{log.rank_counts[r]}</td><td>{steps_of[r]}</td>"
+            f"<td>{sum(1 for e in faults if e.rank == r)}</td>"
             f"<td>{sum(1 for _, fr in born if fr == r)}</td>"
-            f"<td>{_e(steps[-1]['loss']) if steps else '-'}</td>"
+            f"<td>{_e(last) if r in last_step else '-'}</td>"
             f"<td>{_e(stop['reason']) if stop else '-'}</td></tr>"
         )
-    per_rank = _rank_stats_table(events, ranks)
+    per_rank = _rank_stats_table(log, ranks)
     return (
         f"<h2>Ranks ({len(ranks)})</h2><p class='muted'>Decisions are taken together: the "
         f"timeline and faults are rank {ranks[0]}'s view, statistics are reduced over all "
@@ -188,14 +192,12 @@ def _rank_table(events: list[Event]) -> str:
     )
 
 
-def _rank_stats_table(events: list[Event], ranks: list[int]) -> str:
+def _rank_stats_table(log: RunLog, ranks: list[int]) -> str:
     """Per-rank view of the sampled statistics: the largest amax of each module's output
     on each rank over the run, and the non-finite values each rank saw."""
     amax: dict[str, dict[int, float]] = {}
     bad: dict[int, int] = dict.fromkeys(ranks, 0)
-    for e in events:
-        if e.kind != "stats":
-            continue
+    for e in log.of_kind("stats"):
         for t in e["tensors"] or []:
             n = t.get("nonfinite")
             bad[e.rank] = bad.get(e.rank, 0) + (n if type(n) is int else 0)
@@ -237,27 +239,36 @@ def _plottable(v: object) -> float:
     return float(v) if _finite(v) and abs(float(v)) < 1e300 else math.nan  # type: ignore[arg-type]
 
 
-def _plots(events: list[Event], out: Path) -> Plots:
+_MAX_POINTS = 20_000  # per curve: a longer run is drawn every k-th step (counts stay exact)
+
+
+def _plots(log: RunLog, out: Path) -> Plots:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [e for e in events if e.kind == "step"]
+    steps = log.steps
     paths: dict[str, Path] = {}
     notes: dict[str, str] = {}
-    if not steps:
+    if not len(steps):
         notes["timeline"] = "No step events: nothing to plot."
         return paths, notes
-    xs = [float(e.step) for e in steps]
-    loss = [_plottable(e["loss"]) for e in steps]
-    norm = [_plottable(e["grad_norm"]) for e in steps]
+    stride = max(1, -(-len(steps) // _MAX_POINTS))
+    xs = [float(s) for s in steps.step[::stride]]
+    loss = [_plottable(v) for v in steps.column("loss")[::stride]]
+    norm_all = steps.column("grad_norm")
+    norm = [_plottable(v) for v in norm_all[::stride]]
+    actions = steps.column("action")
+    if stride > 1:
+        notes["drawn"] = f"{len(steps)} steps, drawn every {stride}th (the counts are exact)."
     panels = [(name, values, scale) for name, values in (("loss", loss), ("gradient norm", norm))
               if (scale := _scale_of(values)) is not None]  # fmt: skip
     missing = [name for name in ("loss", "gradient norm") if name not in {p[0] for p in panels}]
     if missing:
         notes["timeline"] = (
-            f"No finite {' or '.join(missing)} in {len(steps)} step(s): "
+            f"No finite {' or '.join(missing)} in {len(xs)} step(s)"
+            + (" drawn" if stride > 1 else "") + ": "
             + ("every value was non-finite or missing, so there is no curve to draw."
                if len(missing) == 2 else "that curve is left out.")
         )  # fmt: skip
@@ -277,31 +288,33 @@ def _plots(events: list[Event], out: Path) -> Plots:
         top = max(finite_top) if finite_top else 1.0
         for action, (marker, color) in {"skipped": ("x", "#ff7f0e"),
                                         "rolled_back": ("v", "#d62728")}.items():  # fmt: skip
-            pts = [float(e.step) for e in steps if e["action"] == action]
+            pts = [float(st) for st, a in zip(steps.step, actions, strict=True) if a == action]
             if pts:
                 label = f"{action.replace('_', ' ')} ({len(pts)})"
                 top_ax.scatter(pts, [top] * len(pts), marker=marker, color=color, label=label,
                                zorder=3)  # fmt: skip
-        for f in (e for e in events if e.kind == "fault"):
-            top_ax.axvline(float(f.step), color="#d62728", alpha=0.25, lw=1)
+        fault_xs = sorted({float(f.step) for f in log.of_kind("fault")})
+        if fault_xs:
+            top_ax.vlines(fault_xs, 0, 1, transform=top_ax.get_xaxis_transform(),
+                          color="#d62728", alpha=0.25, lw=1)  # fmt: skip
         if "gradient norm" in axs:
-            info = run_info(events)
+            info = run_info(log)
             by_cap, by_z = clipped_steps(steps, info)
             cap = info.clip_cap
             for group, label, color in (
                 (by_z, "clipped by ZClip's z-score" if cap is not None else "clipped", "#9467bd"),
                 (by_cap, f"clipped to the cap {cap:g}" if cap is not None else "", "#bcbd22"),
             ):
-                marks = [(float(e.step), _plottable(e["grad_norm"])) for e in group]
+                marks = [(float(steps.step[j]), _plottable(norm_all[j])) for j in group[::stride]]
                 if marks:
                     axs["gradient norm"].scatter(
                         [x for x, _ in marks], [v for _, v in marks], s=6, color=color,
-                        label=f"{label} ({len(marks)})", zorder=3,
+                        label=f"{label} ({len(group)})", zorder=3,
                     )  # fmt: skip
             if info.clip_cap is not None and by_cap:
                 axs["gradient norm"].axhline(info.clip_cap, color="#bcbd22", lw=0.8, ls="--")
                 notes["timeline"] = (notes.get("timeline", "") + " " + _cap_sentence(
-                    info, len(by_cap), len(by_z), sum(e["action"] == "applied" for e in steps)
+                    info, len(by_cap), len(by_z), actions.count("applied")
                 )).strip()  # fmt: skip
         axes[-1, 0].set_xlabel("step")
         top_ax.set_title("Loss and gradient norm; red lines: faults")
@@ -309,7 +322,7 @@ def _plots(events: list[Event], out: Path) -> Plots:
             ax.legend(loc="upper right", fontsize=8)
         _save(fig, plt, out / "timeline.png")
         paths["timeline"] = out / "timeline.png"
-    scales = [e["scale"] for e in steps]
+    scales = steps.column("scale")[::stride]
     if any(_finite(v) and v != 1.0 for v in scales):
         logs = [math.log2(v) if _finite(v) and v > 0 else math.nan for v in scales]
         if all(math.isnan(v) for v in logs):
@@ -322,6 +335,8 @@ def _plots(events: list[Event], out: Path) -> Plots:
             ax.set_title("fp16 loss scale")
             _save(fig, plt, out / "scale.png")
             paths["scale"] = out / "scale.png"
+    if "drawn" in notes:
+        notes["timeline"] = (notes.pop("drawn") + " " + notes.get("timeline", "")).strip()
     return paths, notes
 
 
@@ -355,7 +370,10 @@ def _save(fig: Any, plt: Any, path: Path) -> None:
 _WINDOWS = ("fp16", "bf16", "e4m3fn", "e5m2")
 
 
-def _stats_plots(events: list[Event], out: Path) -> Plots:
+_MAX_SAMPLES = 400  # heatmap columns: a longer run's samples are drawn every k-th
+
+
+def _stats_plots(log: RunLog, out: Path) -> Plots:
     """Per-layer heatmaps (amax, fp16 underflow) over the sampled steps, and exponent
     histograms of two chosen tensors against each format's representable window."""
     import matplotlib
@@ -366,12 +384,16 @@ def _stats_plots(events: list[Event], out: Path) -> Plots:
 
     from floatguard.formats import get
 
+    every = [e for e in log.of_kind("stats") if e["tensors"]]
+    step_by = max(1, -(-len(every) // _MAX_SAMPLES))
+    chosen_samples = every[::step_by] + (
+        [every[-1]] if every and (len(every) - 1) % step_by else []
+    )
     samples = [
         dataclasses.replace(
             e, fields={**e.fields, "tensors": [_tensor_fields(t) for t in e["tensors"]]}
         )
-        for e in events
-        if e.kind == "stats" and e["tensors"]
+        for e in chosen_samples
     ]
     paths: dict[str, Path] = {}
     notes: dict[str, str] = {}
@@ -383,13 +405,14 @@ def _stats_plots(events: list[Event], out: Path) -> Plots:
     if not rows:
         notes["heatmap"] = "No module output among the sampled statistics: no per-layer plot."
     else:
+        row_of = {key: i for i, key in enumerate(rows)}
         amax = np.full((len(rows), len(samples)), np.nan)
         under = np.full((len(rows), len(samples)), np.nan)
         for j, e in enumerate(samples):
             for t in e["tensors"]:
                 key = (t["module"], t["role"])
-                if key in rows and _finite(t["amax"]) and t["amax"] > 0:
-                    i = rows.index(key)
+                i = row_of.get(key)
+                if i is not None and _finite(t["amax"]) and t["amax"] > 0:
                     amax[i, j] = math.log10(t["amax"])
                     u = t["formats"].get("fp16", {}).get("underflow")
                     under[i, j] = u if _finite(u) else math.nan
@@ -485,11 +508,20 @@ def _figure(plots: dict[str, Path], notes: dict[str, str], name: str, alt: str) 
     return "".join(parts)
 
 
-def _fault_cards(events: list[Event]) -> str:
-    faults = [e for e in events if e.kind == "fault"]
-    if not faults:
+_MAX_CARDS = 200  # fault cards on the page (the count and the diagnosis cover them all)
+
+
+def _fault_cards(log: RunLog) -> str:
+    every = log.of_kind("fault")
+    if not every:
         return "<p>No fault.</p>"
-    actions = {e.step: (e["action"], e["reason"]) for e in events if e.kind == "step"}
+    faults = list(every[:_MAX_CARDS])
+    wanted = {f.step for f in faults}
+    steps = log.steps
+    actions = {
+        s: (a, r) for s, a, r in zip(steps.step, steps.column("action"), steps.reason, strict=True)
+        if s in wanted
+    }  # fmt: skip
     out = []
     for f in faults:
         action, reason = actions.get(f.step, ("?", None))
@@ -506,6 +538,9 @@ def _fault_cards(events: list[Event]) -> str:
             + _stats_line(f.fields.get("stats"))
             + f"<br>the guard: <b>{_e(action)}</b> ({_e(reason)})</div>"
         )
+    if len(every) > len(faults):
+        out.append(f"<p class='muted'>... and {len(every) - len(faults)} more faults (the "
+                   "diagnosis counts them all)</p>")  # fmt: skip
     return "\n".join(out)
 
 
@@ -531,50 +566,68 @@ def _findings(found: list[Finding]) -> str:
     )
 
 
+def _write_logs(events: list[Event], out: Path) -> None:
+    """Events given in code are written beside the page (one log per rank, whole lines:
+    a kind this floatguard does not know is kept as it is)."""
+    files: dict[int, Any] = {}
+    try:
+        for e in events:
+            if e.rank not in files:
+                name = "events.jsonl" if e.rank == 0 else f"events-rank{e.rank}.jsonl"
+                files[e.rank] = open(out / name, "w", encoding="utf-8")
+            files[e.rank].write(e.to_json() + "\n")
+    finally:
+        for fh in files.values():
+            fh.close()
+
+
 def render_report(
     source: str | os.PathLike[str] | Iterable[Event] | Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
     *,
     title: str = "floatguard run report",
+    progress: Callable[[int, int], None] | None = None,
+    origin: str | None = None,
+    problems: Sequence[str] = (),
 ) -> Path:
     """Write the report of ``source`` (a JSONL path, several paths (one log per rank),
     or events) into ``out_dir``; the path of ``index.html``. A multi-rank run (one
     merged log or one per rank) is shown as the ranks' agreed view (:func:`global_view`)
-    with a table per rank and each fault's rank. Raises OSError (with the folder named)
-    when it cannot write."""
+    with a table per rank and each fault's rank. Logs are streamed into a compact
+    :class:`~floatguard.runlog.RunLog` (memory grows with the steps, not the bytes);
+    ``progress(bytes_read, total)`` is called as they are read. A :class:`RunLog` read
+    already may be given with the ``problems`` its reading met and its ``origin`` (the
+    page's "from" line). Raises OSError (with the folder named) when it cannot write."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    problems: list[str] = []
+    given_origin = origin
+    problems = list(problems)
     if isinstance(source, (str, os.PathLike)):
         source = [source]
-    items = list(source)
-    if items and all(isinstance(p, (str, os.PathLike)) for p in items):
-        paths = [Path(p) for p in items]  # type: ignore[arg-type]
-        events = [e for p in paths for e in read_events(p, errors=problems)]
-        origin = ", ".join(str(p) for p in paths)
+    if isinstance(source, RunLog):
+        every_rank, origin = source, "events"
     else:
-        events = conform_events(items, problems)  # type: ignore[arg-type]
-        origin = "events"
-        logs: dict[int, EventLog] = {}
-        for e in events:
-            if e.rank not in logs:
-                name = "events.jsonl" if e.rank == 0 else f"events-rank{e.rank}.jsonl"
-                logs[e.rank] = EventLog(out / name, keep=0, rank=e.rank)
-            logs[e.rank].emit(e.kind, e.step, **e.fields)
-        for lg in logs.values():
-            lg.close()
-    every_rank = events
-    events = global_view(every_rank)
-    verdict = verdict_of(events)
-    found = diagnose(events)
-    plots, notes = _plots(events, out)
-    more, more_notes = _stats_plots(events, out)
+        items = list(source)
+        if items and all(isinstance(p, (str, os.PathLike)) for p in items):
+            paths = [Path(p) for p in items]  # type: ignore[arg-type]
+            every_rank = RunLog.read(paths, problems, progress)
+            origin = ", ".join(str(p) for p in paths)
+        else:
+            events = conform_events(items, problems)  # type: ignore[arg-type]
+            origin = "events"
+            _write_logs(events, out)
+            every_rank = RunLog.from_events(events)
+    origin = given_origin if given_origin is not None else origin
+    log = global_view(every_rank)
+    verdict = verdict_of(log)
+    found = diagnose(log)
+    plots, notes = _plots(log, out)
+    more, more_notes = _stats_plots(log, out)
     plots.update(more)
     notes.update(more_notes)
-    counts: dict[str, int] = {}
-    for e in every_rank:
-        counts[e.kind] = counts.get(e.kind, 0) + 1
-    rows = "".join(f"<tr><td>{_e(k)}</td><td>{v}</td></tr>" for k, v in sorted(counts.items()))
+    rows = "".join(
+        f"<tr><td>{_e(k)}</td><td>{v}</td></tr>" for k, v in sorted(every_rank.counts.items())
+    )
     problem_html = (
         "<h2>Unreadable lines</h2><ul>" + "".join(f"<li>{_e(p)}</li>" for p in problems) + "</ul>"
         if problems else ""
@@ -593,7 +646,7 @@ def render_report(
         _figure(plots, notes, "heatmap", "per-layer amax and fp16 underflow over sampled steps"),
         _figure(plots, notes, "histograms", "exponent histograms against format windows"),
         f"<h2>Faults ({verdict.faults})</h2>",
-        _fault_cards(events),
+        _fault_cards(log),
         f"<h2>Diagnosis ({len(found)})</h2>",
         _findings(found),
         "<h2>Events</h2><table><tr><th>kind</th><th>count</th></tr>" + rows + "</table>",

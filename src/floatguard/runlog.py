@@ -1,0 +1,204 @@
+"""A run's event log held compactly, for the report and the diagnosis of logs of any size.
+
+Step events are kept as columns (about 70 bytes a step: arrays of floats and ints, the
+action as a byte), the rare kinds (faults, spikes, rollbacks, ...) as events, snapshot
+events only counted, and ``stats`` samples slimmed to what the report and the
+diagnosis read: each tensor's counts, amax and fp16 underflow, with the exponent
+histogram and every format's fractions kept only for the latest sample of each rank
+(the one the histograms plot). Reading streams the file line by line, so memory is
+bounded by the number of steps and samples, not by the log's bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+from floatguard.events import Event, conform_events, read_events
+
+__all__ = ["RunLog", "Steps"]
+
+_ACTIONS = (None, "applied", "skipped", "rolled_back")
+_CODE = {a: i for i, a in enumerate(_ACTIONS)}
+_FLOATS = ("loss", "grad_norm", "clip_coef", "scale", "lr_factor")
+
+
+class Steps(Sequence[Event]):
+    """The step events as columns; indexing makes an :class:`Event` on demand, and
+    :meth:`column` gives one field for all steps (the fast path for whole-run scans)."""
+
+    def __init__(self) -> None:
+        self.step = array("q")
+        self.time = array("d")
+        self.rank = array("q")
+        self.action = bytearray()
+        self.reason: list[str | None] = []
+        self._floats = {name: array("d") for name in _FLOATS}
+        self._none = {name: bytearray() for name in _FLOATS}  # 1 where the field was null
+        self._reasons: dict[str, str] = {}  # one string object per distinct reason
+
+    def append(self, e: Event) -> None:
+        f = e.fields
+        self.step.append(e.step)
+        self.time.append(e.time)
+        self.rank.append(e.rank)
+        self.action.append(_CODE.get(f.get("action"), 0))
+        reason = f.get("reason")
+        self.reason.append(None if reason is None else self._reasons.setdefault(reason, reason))
+        for name in _FLOATS:
+            v = f.get(name)
+            self._floats[name].append(math.nan if v is None else float(v))
+            self._none[name].append(v is None)
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    @overload
+    def __getitem__(self, i: int) -> Event: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Event]: ...
+    def __getitem__(self, i: int | slice) -> Event | list[Event]:
+        if isinstance(i, slice):
+            return [self._event(j) for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._event(i)
+
+    def __iter__(self) -> Iterator[Event]:
+        return (self._event(j) for j in range(len(self)))
+
+    def _event(self, j: int) -> Event:
+        fields: dict[str, Any] = {"action": _ACTIONS[self.action[j]], "reason": self.reason[j]}
+        for name in _FLOATS:
+            fields[name] = None if self._none[name][j] else self._floats[name][j]
+        return Event("step", self.step[j], fields, self.time[j], self.rank[j])
+
+    def column(self, name: str) -> list[Any]:
+        """One field for every step, in order (None where the event had none)."""
+        if name in ("step", "rank", "time"):
+            return list(getattr(self, name))
+        if name == "action":
+            return [_ACTIONS[c] for c in self.action]
+        if name == "reason":
+            return list(self.reason)
+        values, none = self._floats[name], self._none[name]
+        return [None if n else v for v, n in zip(values, none, strict=True)]
+
+    def where(self, keep: Callable[[int], bool]) -> Steps:
+        """The steps at the indices ``keep`` accepts (a rank's, say), as new columns."""
+        out = Steps()
+        for j in range(len(self)):
+            if keep(j):
+                out.append(self._event(j))
+        return out
+
+
+def _slim(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stats sample's tensors without the parts only the latest sample needs."""
+    out = []
+    for t in tensors:
+        fp16 = (t.get("formats") or {}).get("fp16")
+        slim = {k: t.get(k) for k in ("module", "role", "numel", "amax", "nonfinite", "zeros")}
+        slim["formats"] = {"fp16": {"underflow": fp16.get("underflow")}} if fp16 else {}
+        slim["hist"], slim["hist_from"] = [], 0
+        out.append(slim)
+    return out
+
+
+class RunLog:
+    """A run's events, compact (see the module): ``steps`` (:class:`Steps`), ``events``
+    (every other kind kept, in log order), ``counts`` (events per kind, all of them)."""
+
+    def __init__(self) -> None:
+        self.steps = Steps()
+        self.events: list[Event] = []
+        self.counts: Counter[str] = Counter()
+        self.rank_counts: Counter[int] = Counter()  # events per rank, all of them
+        self._latest_stats: dict[int, int] = {}  # rank -> index in events of its last sample
+        self._by_kind: dict[str, list[Event]] | None = None
+
+    def add(self, e: Event) -> None:
+        """One event (conformed: see :func:`floatguard.events.conform_events`)."""
+        self.counts[e.kind] += 1
+        self.rank_counts[e.rank] += 1
+        if e.kind == "step":
+            self.steps.append(e)
+            return
+        if e.kind == "snapshot":
+            return  # counted: nothing reads them one by one
+        self._by_kind = None
+        if e.kind == "stats":
+            before = self._latest_stats.get(e.rank)
+            if before is not None:  # the rank's previous sample: slim it now
+                old = self.events[before]
+                tensors = _slim(old.fields.get("tensors") or [])
+                self.events[before] = Event("stats", old.step, {"tensors": tensors},
+                                            old.time, old.rank)  # fmt: skip
+            self._latest_stats[e.rank] = len(self.events)
+        self.events.append(e)
+
+    @classmethod
+    def from_events(cls, events: Iterable[Event], problems: list[str] | None = None) -> RunLog:
+        """Events built in code (checked and completed as the reader does)."""
+        if isinstance(events, RunLog):
+            return events
+        log = cls()
+        for e in conform_events(events, problems):
+            log.add(e)
+        return log
+
+    @classmethod
+    def read(
+        cls,
+        paths: Sequence[str | os.PathLike[str]],
+        problems: list[str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> RunLog:
+        """The logs at ``paths`` (one per rank, or one), streamed; unreadable lines go to
+        ``problems``; ``progress(bytes_read, total_bytes)`` is called as it goes."""
+        log = cls()
+        total = sum(Path(p).stat().st_size for p in paths)
+        done = 0
+        errors = problems if problems is not None else []
+
+        def step(n: int, _total: int) -> None:
+            if progress is not None:
+                progress(done + n, total)
+
+        for p in paths:
+            for e in read_events(p, errors=errors, progress=step):
+                log.add(e)
+            done += Path(p).stat().st_size
+        if progress is not None:
+            progress(total, total)
+        return log
+
+    def of_kind(self, kind: str) -> Sequence[Event]:
+        """The events of one kind, in log order (the steps as :class:`Steps`)."""
+        if kind == "step":
+            return self.steps
+        if self._by_kind is None:
+            by: dict[str, list[Event]] = {}
+            for e in self.events:
+                by.setdefault(e.kind, []).append(e)
+            self._by_kind = by
+        return self._by_kind.get(kind, [])
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.steps.rank) | {e.rank for e in self.events})
+
+    def __iter__(self) -> Iterator[Event]:
+        """Every kept event, steps first (for small logs and tests; rules use of_kind)."""
+        yield from self.steps
+        yield from self.events
+
+    def __len__(self) -> int:
+        return len(self.steps) + len(self.events)
