@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -124,31 +125,40 @@ def test_a_snapshot_folder_that_breaks_mid_run(tmp_path: Path, policy: str) -> N
     shutil.rmtree(folder)
     folder.write_text("no longer a folder")  # every write there now fails
     results = []
-    for i in range(7, 12):
-        x, y = _batch(i)
-        before = ([p.detach().clone() for p in model.parameters()], guard.step_count)
-        opt_before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-        try:
-            results.append(guard.step(lambda x=x, y=y: F.mse_loss(model(x), y)).action)
-        except SnapshotError as e:
-            assert "the step was not applied" in str(e)
-            results.append("raised")
-            # nothing of the step happened
-            assert all(
-                torch.equal(a, b) for a, b in zip(before[0], model.parameters(), strict=True)
-            )
-            assert guard.step_count == before[1]
-            assert all(p.grad is None for p in model.parameters())
-            after = opt.state_dict()["state"][0]
-            assert all(torch.equal(after[k], v) for k, v in opt_before.items())
-            break
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")  # every warning recorded: once is the guard's doing
+        for i in range(7, 12):
+            x, y = _batch(i)
+            before = ([p.detach().clone() for p in model.parameters()], guard.step_count)
+            opt_before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+            try:
+                results.append(guard.step(lambda x=x, y=y: F.mse_loss(model(x), y)).action)
+            except SnapshotError as e:
+                assert "the step was not applied" in str(e)
+                results.append("raised")
+                # nothing of the step happened
+                assert all(
+                    torch.equal(a, b) for a, b in zip(before[0], model.parameters(), strict=True)
+                )
+                assert guard.step_count == before[1]
+                assert all(p.grad is None for p in model.parameters())
+                after = opt.state_dict()["state"][0]
+                assert all(torch.equal(after[k], v) for k, v in opt_before.items())
+                break
     errors = guard.events.of_kind("snapshot_error")
     if policy == "raise":
         assert results == ["applied", "applied", "applied", "raised"]  # step 10 snapshots
+        assert warned == []  # the exception says it
     else:
         assert results == ["applied"] * 5
         assert len(errors) == 1 and errors[0].step == 10 and errors[0]["policy"] == policy
         assert "NotADirectoryError" in errors[0]["error"] or "FileExists" in errors[0]["error"]
+        (w,) = warned  # once, on stderr
+        assert w.category is RuntimeWarning
+        assert str(w.message).startswith(
+            f"floatguard: cannot write the snapshot of step 10 to {folder} ("
+        )
+        assert "the newest snapshot on disk is of step 5" in str(w.message)
     guard.close()
 
 
@@ -197,6 +207,7 @@ def test_a_nan_weight_after_resume_still_rolls_back(tmp_path: Path) -> None:
     g2.close()
 
 
+@pytest.mark.filterwarnings("ignore:floatguard. cannot write the snapshot:RuntimeWarning")
 def test_every_event_the_guard_writes_has_exactly_its_kinds_fields(tmp_path: Path) -> None:
     from floatguard import DynamicLossScaler, SpikePolicy
     from floatguard.events import EVENT_FIELDS

@@ -57,13 +57,13 @@ def _optimizer_misfit(saved: Any, opt: torch.optim.Optimizer) -> str | None:
         return "the snapshot holds no optimizer state dict"
     if len(groups) != len(live["param_groups"]):
         return (
-            f"{len(groups)} param groups in the snapshot, {len(live['param_groups'])} in "
+            f"param groups: {len(groups)} in the snapshot, {len(live['param_groups'])} in "
             "the optimizer"
         )
     for i, (gs, gl) in enumerate(zip(groups, live["param_groups"], strict=True)):
         if len(gs["params"]) != len(gl["params"]):
             return (
-                f"param group {i} has {len(gs['params'])} parameters in the snapshot, "
+                f"param group {i}: {len(gs['params'])} parameters in the snapshot, "
                 f"{len(gl['params'])} in the optimizer"
             )
     # load_state_dict pairs the parameters by position: the snapshot's i-th with the
