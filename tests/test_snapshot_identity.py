@@ -367,6 +367,58 @@ def test_a_guard_of_another_process_holds_the_folder_until_it_dies(tmp_path: Pat
     assert not (folder / LOCK_FILE).exists()
 
 
+_FORKER = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time, torch
+    import torch.nn.functional as F
+    from torch import nn
+    from floatguard import Guard, ResponsePolicy
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(model, opt, response=ResponsePolicy(snapshot_dir=sys.argv[1]))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    guard.step(lambda: F.mse_loss(model(x), y))
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)  # a forked child that exits normally: its exit handlers run
+    os.waitpid(child, 0)
+    print(os.path.exists(os.path.join(sys.argv[1], "floatguard.lock")), flush=True)
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+    worker.start()  # a DataLoader-like worker that outlives its parent
+    print(worker.pid, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_forked_children_neither_hold_nor_remove_the_parents_lock(tmp_path: Path) -> None:
+    folder = tmp_path / "snaps"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _FORKER, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    worker = 0
+    try:
+        assert parent.stdout.readline() == "True\n"  # the child's exit left the lock alone
+        worker = int(parent.stdout.readline())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        guard = _guard(folder, _net())
+        with pytest.warns(RuntimeWarning, match=f"left by pid {parent.pid} on host"):
+            assert guard.resume() == 0  # the orphaned worker does not hold the folder
+        guard.close()
+    finally:
+        parent.kill()
+        parent.wait()
+        if worker:
+            os.kill(worker, signal.SIGKILL)
+
+
 # ------------------------------------------------------------------ steps past 9 digits
 def test_steps_past_nine_digits_are_resumed_and_pruned(tmp_path: Path) -> None:
     folder = tmp_path / "snaps"

@@ -179,7 +179,18 @@ class SnapshotKeeper:
         """Take the snapshot folder's lock (SnapshotFolderBusy while another guard
         holds it); the store may then clean every other writer's temp files."""
         if self.lock is None and self.home is not None:
-            self.lock = FolderLock.acquire(self.home)
+            try:
+                self.lock = FolderLock.acquire(self.home)
+            except SnapshotFolderBusy as e:
+                import torch.distributed as dist
+
+                if not (dist.is_available() and dist.is_initialized()):
+                    raise
+                raise SnapshotFolderBusy(
+                    f"{e}. Under torch.distributed every rank's guard writes its own "
+                    f"snapshots: give each rank its own folder (rank {dist.get_rank()}: "
+                    f"snapshot_dir=f'{self.home}/rank{{rank}}')"
+                ) from None
             if self.store is not None:
                 self.store.exclusive = True
 

@@ -111,6 +111,7 @@ class FolderLock:
     def __init__(self, folder: Path, fd: int, inode: tuple[int, int]) -> None:
         self.folder = folder
         self.path = folder / LOCK_FILE
+        self._fd = fd
         self._key = str(folder.resolve())
         self._finalizer = weakref.finalize(self, _release, fd, self.path, inode)
         _HELD[self._key] = weakref.ref(self)
@@ -160,6 +161,25 @@ class FolderLock:
         if _HELD.get(self._key) is not None and _HELD[self._key]() is self:
             del _HELD[self._key]
         self._finalizer()
+
+
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader worker): drop the copies of the parent's lock
+    files. Holding them, a worker orphaned by its killed parent would keep the folder
+    locked, and one that exits normally would remove the parent's lock file."""
+    for ref in list(_HELD.values()):
+        lock = ref()
+        if lock is not None:
+            lock._finalizer.detach()
+            try:
+                os.close(lock._fd)  # the parent's lock stays: it has its own reference
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _collected(key: str) -> bool:
