@@ -306,3 +306,41 @@ def test_a_cap_that_clips_most_steps_is_named_with_its_value() -> None:
                                   clip_coef=1.0, scale=1.0, lr_factor=1.0)
                                for i in range(21, 60))]  # fmt: skip
     assert "clipped_most_steps" not in [x.rule for x in diagnose(few)]
+
+
+# --------------------------------------------- from the new-user trial of issue 22
+def test_a_long_healthy_fp16_run_with_spread_out_overflows_has_not_collapsed() -> None:
+    evs = [*steps([1.0] * 20_000, scale=65536.0)] + [
+        ev("overflow", s, scale_before=65536.0, scale_after=32768.0) for s in range(0, 20_000, 500)
+    ]  # fmt: skip
+    assert "scale_collapse" not in rules(evs) and "fp16_overflow" in rules(evs)
+
+
+def test_the_stop_a_localized_fault_and_a_huge_loss_each_have_a_finding() -> None:
+    stop = ev("stop", 9, reason="repeated_fault", fault="nan born in fc")
+    f = diagnose([*steps([1.0] * 10), stop])[0]
+    assert f.rule == "stopped" and "repeated_fault" in f.evidence and f.severity == 3
+    log0 = fault(5, phase="loss", module="", op="aten.log.default", source="train.py:9")
+    f = next(x for x in diagnose([*steps([1.0] * 10), log0]) if x.rule == "localized_faults")
+    assert "aten.log.default" in f.evidence and "train.py:9" in f.evidence
+    f = next(x for x in diagnose(steps([8e10] * 10)) if x.rule == "large_loss")
+    assert "8e+10" in f.evidence and "normalize the targets" in f.fix
+
+
+def test_a_run_that_survived_a_nan_then_died_is_dated_from_its_death() -> None:
+    losses = [1.0] * 10 + [math.nan] + [1.0] * 7 + [math.nan] * 30
+    f = next(x for x in diagnose(steps(losses)) if x.rule == "loss_nan")
+    assert f.steps == (18,) and "isolated non-finite steps 10" in f.evidence
+
+
+def test_a_merged_multi_rank_log_is_diagnosed_once_per_step() -> None:
+    def rank_events(r: int) -> list[Event]:
+        out = [Event("step", i, {"action": "applied", "loss": 1.0, "grad_norm": 1.0}, rank=r)
+               for i in range(30)]  # fmt: skip
+        bad = {"phase": "forward", "module": "blocks.0.attn", "tensor": "output",
+               "kind_of_value": "nan", "op": "aten.add.Tensor", "fault_rank": 1}  # fmt: skip
+        return [*out, Event("fault", 27, bad, rank=r)]
+
+    merged = [e for r in range(4) for e in rank_events(r)]
+    found = rules(merged)
+    assert "repeated_module" not in found and found.count("localized_faults") == 1

@@ -261,6 +261,8 @@ def test_a_zero_filled_tail_and_a_bom_are_read_and_the_writer_starts_clean(
         ('{"kind": "step", "step": 1, "time": 1' + "0" * 400 + "}", "'time' is out of range"),
         ('{"kind": "fault", "step": 1, "shape": [-1]}', "'shape' must be a list of sizes"),
         ('{"kind": "stats", "step": 1, "tensors": [{"module": 1}]}', "tensors'[0].module"),
+        ('{"kind": "step", "step": -10}', "'step' must be an int >= 0, got -10"),
+        ('{"kind": "step", "step": 1, "loss": ' + "9" * 5000 + "}", "a value out of range"),
     ],
 )
 def test_a_mistyped_field_is_an_error_naming_file_line_and_field(

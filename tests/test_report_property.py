@@ -236,3 +236,18 @@ def test_a_stats_sample_with_parts_missing_is_reported(tmp_path: Path) -> None:
     _write(log, recs)
     page = render_report(log, tmp_path / "r").read_text(encoding="utf-8")
     assert "No sampled module output had a positive finite amax" in page
+
+
+def test_control_and_bidi_characters_from_a_log_are_shown_escaped_in_the_page(
+    tmp_path: Path,
+) -> None:
+    evil = "a\x1b[2J\x07\r\x08\u202egnp.exe"
+    recs = [_step(0, action="applied", grad_norm=1.0),
+            {"schema": 2, "kind": "fault", "step": 0, "time": 1.0, "rank": 0, "phase": "forward",
+             "module": evil, "tensor": "output", "kind_of_value": "nan", "op": "aten.log.default",
+             "source": evil}]  # fmt: skip
+    log = tmp_path / "events.jsonl"
+    _write(log, recs)
+    page = render_report(log, tmp_path / "r").read_text(encoding="utf-8")
+    assert not any(c in page for c in "\x1b\x07\x08\u202e")
+    assert "a\\x1b[2J\\x07\\r\\x08\\u202egnp.exe" in page

@@ -388,8 +388,12 @@ def _read_runs(runs: list[Path]) -> tuple[Any, list[str]]:
     from floatguard.runlog import RunLog
 
     for run in runs:
-        if not run.is_file():
+        if run.is_dir():
+            raise _fail(f"{str(run)!r} is a folder; give the run's events.jsonl in it")
+        if not run.exists():
             raise _fail(f"{str(run)!r}: no such file (give a run's events.jsonl)")
+        if not run.is_file():
+            raise _fail(f"{str(run)!r} is not a regular file; give a run's events.jsonl")
     problems: list[str] = []
     total = sum(run.stat().st_size for run in runs)
     show = _err.is_terminal and total > 16 << 20
@@ -439,13 +443,19 @@ def report(
 
 @app.command(name="diagnose")
 def diagnose_cmd(
-    run: Annotated[Path, typer.Argument(help="A run's event log (events.jsonl).")],
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A run's event log (events.jsonl); for a multi-rank run, one log per "
+            "rank, or one merged log (diagnosed as the ranks' agreed view).",
+        ),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the diagnosis of a run: findings with evidence, likely cause and fix."""
     from floatguard.diagnose import diagnose
 
-    log, problems = _read_runs([run])
+    log, problems = _read_runs(list(runs))
     found = diagnose(log)
     if as_json:
         print(json.dumps([f.to_dict() for f in found], allow_nan=False))

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from floatguard._event_schema import finite as _finite
+from floatguard.causes import describe
 from floatguard.events import Event
-from floatguard.runlog import RunLog, Steps
+from floatguard.runlog import RunLog, Steps, global_view
 
 __all__ = ["Finding", "RunInfo", "diagnose", "run_info"]
 
@@ -154,6 +155,9 @@ def bad_input(events: RunLog) -> list[Finding]:
         else "the guard skipped each such batch without changing the LR or the loss scale"
     )
     first = hits[0]["source"] or hits[0]["tensor"] or "the batch"
+    rank = hits[0]["fault_rank"]
+    if rank is not None:
+        first += f", on rank {rank}"
     found = [Finding(
         "bad_input", "Non-finite values in the data",
         f"{len(hits)} batch(es) carried NaN/inf into the step (steps {_list(steps)}); "
@@ -457,10 +461,16 @@ def scale_collapse(events: RunLog) -> list[Finding]:
     over = list(events.of_kind("overflow"))
     if not over:
         return []
+    over.sort(key=lambda e: e.step)
     afters = [e["scale_after"] for e in over if _finite(e["scale_after"])]
     last = afters[-1] if afters else math.nan
     steps = tuple(e.step for e in over)
-    if (afters and last <= 1.0) or len(over) >= 20:
+    # Collapsed: the scale ended at 1 or below, or low after several back-offs, or it
+    # backs off on a large share of the steps (GradScaler's defaults overflow about once
+    # per growth interval of 2000 steps: a long healthy run has many, spread out).
+    n_steps = len(events.steps) or len(over)
+    often = len(over) >= 20 and len(over) > 0.05 * n_steps
+    if (afters and (last <= 1.0 or (last <= 128.0 and len(over) >= 5))) or often:
         return [Finding(
             "scale_collapse", "The fp16 loss scale collapsed",
             f"{len(over)} overflow back-offs; the scale fell to {last:g}",
@@ -559,7 +569,14 @@ def loss_nan_unguarded(events: RunLog) -> list[Finding]:
     bad = [j for j, v in enumerate(losses) if not _finite(v)]
     if not bad or events.of_kind("fault"):
         return []
-    first = steps.step[bad[0]]
+    # The run died where its last stretch of non-finite losses began; earlier isolated
+    # ones (a bad batch a GradScaler loop survived) are told apart.
+    bad_set, start = set(bad), bad[-1]
+    while start - 1 in bad_set:
+        start -= 1
+    died = bad[-1] == len(losses) - 1  # the run ended non-finite
+    first = steps.step[start] if died else steps.step[bad[0]]
+    earlier = [steps.step[j] for j in bad if j < start] if died else []
     before = [
         g for s, g in zip(steps.step, steps.column("grad_norm"), strict=True)
         if first - 20 <= s < first and _finite(g)
@@ -577,9 +594,15 @@ def loss_nan_unguarded(events: RunLog) -> list[Finding]:
         if growing
         else "find the op with Guard.step(closure) (it replays the step) and stabilize it"
     )
+    evidence = (
+        f"non-finite from step {first} to the end ({len(losses) - start} steps)"
+        + (f"; before that, isolated non-finite steps {_list(earlier)} the run survived"
+           if earlier else "")
+        if died
+        else f"first at step {first} ({len(bad)} steps in all)"
+    )  # fmt: skip
     return [Finding(
-        "loss_nan", "The loss became NaN/inf", f"first at step {first} ({len(bad)} steps in all)",
-        cause, fix, 3, (first,),
+        "loss_nan", "The loss became NaN/inf", evidence, cause, fix, 3, (first,),
     )]  # fmt: skip
 
 
@@ -799,6 +822,81 @@ def fp16_divergence(events: RunLog) -> list[Finding]:
 
 
 @_rule
+def stopped(events: RunLog) -> list[Finding]:
+    """The guard stopped the run: say so first, with its reason in words."""
+    stops = events.of_kind("stop")
+    if not stops:
+        return []
+    s = stops[-1]
+    reason = str(s["reason"] or "unknown")
+    return [Finding(
+        "stopped", "The guard stopped the run",
+        f"at step {s.step}: {reason} ({describe(reason)})"
+        + (f"; the fault: {s['fault']}" if s["fault"] else ""),
+        "training on would have applied bad steps again: see the other findings for what "
+        "kept failing",
+        "fix that cause, then resume from the last snapshot (guard.resume()); the model "
+        "was left as it was before the fault",
+        3, (s.step,),
+    )]  # fmt: skip
+
+
+_NAMED_OPS = ("softmax", "aten.exp")
+
+
+@_rule
+def localized_faults(events: RunLog) -> list[Finding]:
+    """Faults born in the model that no specific rule names: where, by what, and the line
+    (the replay's localization), so none goes unmentioned."""
+    hits = [
+        e for e in events.of_kind("fault")
+        if e["phase"] not in ("input", "param")
+        and not any(k in str(e["op"] or "") for k in _NAMED_OPS) and not _is_norm(e)
+    ]  # fmt: skip
+    by = Counter((e["module"], e["phase"], e["op"]) for e in hits)
+    once = [e for e in hits if by[(e["module"], e["phase"], e["op"])] < 2]  # repeated: its rule
+    if not once:
+        return []
+    first = once[0]
+    where = f"'{_where(first)}'" if first["module"] else "the model's root"
+    line = f" at {first['source']}" if first["source"] else ""
+    return [Finding(
+        "localized_faults", "A non-finite value born in the model",
+        f"{first['kind_of_value'] or 'a non-finite value'} born in {where} "
+        f"({first['phase']}) by {first['op'] or 'an unknown op'}{line}, step {first.step}"
+        + (f"; {len(once) - 1} more such fault(s)" if len(once) > 1 else ""),
+        "an op whose inputs were finite gave NaN/inf: log of 0 or a negative, a division by "
+        "zero, sqrt of a negative, an overflow in a low-precision op",
+        "read the op and the line; guard the input of that op (clamp, add an eps) or compute "
+        "it in float32",
+        2, tuple(e.step for e in once),
+    )]  # fmt: skip
+
+
+@_rule
+def large_loss(events: RunLog) -> list[Finding]:
+    """A loss far larger than a normalized objective gives: targets or a reduction that
+    scale every gradient (and overflow fp16) with it."""
+    losses = [abs(v) for v in events.steps.column("loss") if _finite(v)]
+    if len(losses) < 5:
+        return []
+    typical = statistics.median(losses)
+    if typical < 1e4:
+        return []
+    fp16 = run_info(events).fp16
+    return [Finding(
+        "large_loss", "The loss is very large",
+        f"median loss {typical:.3g} over {len(losses)} steps",
+        "unnormalized targets (a regression on raw values), a sum over elements instead of "
+        "a mean, or a loss weight: the gradients scale with it"
+        + (", and in fp16 they overflow (65504) whatever the loss scale" if fp16 else ""),
+        "normalize the targets (zero mean, unit variance), use reduction='mean', or scale the "
+        "loss down; then clipping caps and loss scales mean what they usually do",
+        2, (),
+    )]  # fmt: skip
+
+
+@_rule
 def clipped_most_steps(events: RunLog) -> list[Finding]:
     """The absolute cap clips most healthy steps: the cap, not the adaptive rule, then
     sets every update's size (like a lower learning rate)."""
@@ -832,7 +930,7 @@ def diagnose(events: Iterable[Event]) -> list[Finding]:
     events: checked and completed as the reader does); the findings, most severe first
     (then earliest)."""
     problems: list[str] = []
-    log = RunLog.from_events(events, problems)
+    log = global_view(RunLog.from_events(events, problems))  # several ranks: the agreed view
     found: list[Finding] = []
     for rule in _RULES:
         try:

@@ -395,6 +395,8 @@ def _parse(raw: bytes, where: str) -> Event:
         raise ValueError(f"{where}: not a JSON line ({e.msg})") from None
     except RecursionError:
         raise ValueError(f"{where}: nested too deeply") from None
+    except ValueError as e:  # json's own limits: an integer of thousands of digits
+        raise ValueError(f"{where}: a value out of range ({str(e)[:60]})") from None
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: a line must be a JSON object, got {type(rec).__name__}")
     # (a line with fewer brackets than the limit cannot nest deeper: skip the walk)
@@ -426,8 +428,8 @@ def _parse(raw: bytes, where: str) -> Event:
         when = float(t)
     except OverflowError:
         raise ValueError(f"{where}: 'time' is out of range ({str(t)[:20]}...)") from None
-    if abs(rec["step"]) >= 2**63:
-        raise ValueError(f"{where}: 'step' is out of range ({str(rec['step'])[:20]}...)")
+    if not 0 <= rec["step"] < 2**63:
+        raise ValueError(f"{where}: 'step' must be an int >= 0, got {str(rec['step'])[:20]}")
     if schema >= 2 and b'"$float"' not in raw:  # nothing tagged: the values are as read
         fields = {k: v for k, v in rec.items() if k not in ENVELOPE}
     else:

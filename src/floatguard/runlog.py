@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
+from floatguard._event_schema import finite as _finite
 from floatguard.events import Event, conform_events, read_events
 
-__all__ = ["RunLog", "Steps"]
+__all__ = ["RunLog", "Steps", "global_view", "reduce_stats", "tensor_fields"]
 
 _ACTIONS = (None, "applied", "skipped", "rolled_back")
 _CODE = {a: i for i, a in enumerate(_ACTIONS)}
@@ -202,3 +203,104 @@ class RunLog:
 
     def __len__(self) -> int:
         return len(self.steps) + len(self.events)
+
+
+# Under torch.distributed the guard's decisions are the same on every rank, so these
+# kinds are read from one rank (the lowest); the rest are each rank's own.
+_AGREED = frozenset({"step", "overflow", "spike", "lr_backoff", "rollback", "snapshot",
+                     "resume", "stop", "fault"})  # fmt: skip
+
+
+def reduce_stats(tensors_by_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One ``stats`` event's tensors reduced over ranks (the global view): per
+    ``(module, role)``, counts and exponent histograms summed, amax the maximum, format
+    fractions weighted by each rank's element count."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for tensors in tensors_by_rank:
+        for raw in tensors:
+            t = tensor_fields(raw)
+            key = (t["module"], t["role"])
+            m = merged.get(key)
+            if m is None:
+                merged[key] = t
+                continue
+            n0, n1 = m["numel"], t["numel"]
+            for f, v in t["formats"].items():
+                mine = m["formats"].setdefault(f, dict.fromkeys(v, 0.0))
+                for k, x in v.items():
+                    if _finite(x) and _finite(mine.get(k)):
+                        mine[k] = (mine[k] * n0 + x * n1) / max(n0 + n1, 1)
+            if not t["hist"]:
+                hist, lo = m["hist"], m["hist_from"]
+            elif not m["hist"]:
+                hist, lo = t["hist"], t["hist_from"]
+            else:
+                lo = min(m["hist_from"], t["hist_from"])
+                hi = max(m["hist_from"] + len(m["hist"]), t["hist_from"] + len(t["hist"]))
+                hist = [0] * (hi - lo)
+                for src in (m, t):
+                    for i, c in enumerate(src["hist"]):
+                        hist[src["hist_from"] - lo + i] += c
+            a, b = m["amax"], t["amax"]
+            # NaN (a NaN seen) wins, then the larger of what is known
+            known = [x for x in (a, b) if x is not None]
+            amax = a if _is_nan(a) else b if _is_nan(b) else (max(known) if known else None)
+            m.update(numel=n0 + n1, nonfinite=m["nonfinite"] + t["nonfinite"],
+                     zeros=m["zeros"] + t["zeros"], hist_from=lo, hist=hist, amax=amax)  # fmt: skip
+    return list(merged.values())
+
+
+def _is_nan(v: object) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def tensor_fields(t: dict[str, Any]) -> dict[str, Any]:
+    """A stats tensor entry with its optional parts filled (counts 0, no histogram)."""
+
+    def count(k: str) -> int:
+        v = t.get(k)
+        return v if type(v) is int and v >= 0 else 0
+
+    return {
+        **t,
+        "numel": count("numel"), "nonfinite": count("nonfinite"), "zeros": count("zeros"),
+        "formats": {f: dict(v) for f, v in (t.get("formats") or {}).items() if isinstance(v, dict)},
+        "hist": list(t.get("hist") or []),
+        "hist_from": t.get("hist_from") if type(t.get("hist_from")) is int else 0,
+        "amax": t.get("amax"),
+    }  # fmt: skip
+
+
+def global_view(events: Iterable[Event]) -> RunLog:
+    """The run as one stream: the agreed kinds from the lowest rank, every rank's own
+    events (warnings, snapshot errors), ``stats`` reduced over ranks per step
+    (:func:`reduce_stats`), and a fault seen only on another rank (logs written before
+    every rank logged faults) kept too. One rank's events come back as they are."""
+    log = RunLog.from_events(events)
+    ranks = log.ranks
+    if len(ranks) <= 1:
+        return log
+    lead = ranks[0]
+    out = RunLog()
+    lead_steps = log.steps.where(lambda j: log.steps.rank[j] == lead)
+    out.steps = lead_steps
+    out.counts, out.rank_counts = log.counts, log.rank_counts
+    fault_steps = {e.step for e in log.of_kind("fault") if e.rank == lead}
+    stats: dict[int, list[list[dict[str, Any]]]] = {}
+    kept: list[Event] = []
+    for e in log.events:
+        if e.kind == "stats":
+            stats.setdefault(e.step, []).append(e["tensors"] or [])
+        elif e.kind in _AGREED:
+            if e.rank == lead:
+                kept.append(e)
+            elif e.kind == "fault" and e.step not in fault_steps:
+                fault_steps.add(e.step)
+                kept.append(e)
+        else:
+            kept.append(e)
+    for step, parts in stats.items():
+        kept.append(Event("stats", step, {"tensors": reduce_stats(parts)}, rank=lead))
+    kept.sort(key=lambda e: (e.step, e.time))
+    out.events = kept
+    return out

@@ -117,3 +117,13 @@ def test_a_step_that_raised_leaves_the_rng_where_the_step_began() -> None:
 
     clean, retried = run(None), run(2)
     assert all(torch.equal(a, b) for a, b in zip(clean, retried, strict=True))
+
+
+def test_a_loss_without_a_graph_is_one_clear_error_and_the_step_did_not_happen() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt)
+    with pytest.raises(ValueError, match="the loss has no gradient graph"):
+        guard.step(lambda: torch.tensor(float("nan")))
+    assert guard.step_count == 0
+    guard.close()

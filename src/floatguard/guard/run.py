@@ -69,6 +69,12 @@ class StepRunner:
     def backward(self, loss: torch.Tensor) -> None:
         """Keep the loss, then run the backward of the (scaled, for fp16) loss."""
         loss = _scalar(loss, "Guard.backward")
+        if not loss.requires_grad:  # (a property of the tensor: no sync)
+            raise ValueError(
+                "Guard.step: the loss has no gradient graph (requires_grad=False: computed "
+                "under torch.no_grad(), detached, or a constant); return the loss the model's "
+                "forward computed"
+            )
         if self.on_loss is not None:
             self.on_loss(loss)
         self.losses.append(loss.detach().float().reshape(()))
