@@ -164,3 +164,15 @@ def test_loss_fn_is_called_with_the_model_and_one_batch() -> None:
     with pytest.raises(TypeError, match="must be callable"):
         audit(model, batches, loss_fn="mse")  # type: ignore[arg-type]
     assert all(p.grad is None for p in model.parameters())  # a failed audit leaves no grads
+
+
+def test_a_model_that_computes_nan_is_not_called_safe() -> None:
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    report = audit(model, [torch.randn(8, 4)])
+    (layer,) = report.layers
+    assert len(layer.recommendation) == 1
+    rec = layer.recommendation[0]
+    assert rec.startswith("non-finite values in ") and "no format can be judged" in rec
+    assert "safe" not in rec

@@ -203,6 +203,13 @@ def _summarize(acc: _Acc) -> dict[str, Any]:
 def _recommend(results: dict[str, dict[str, Any]], recipes: Sequence[str]) -> list[str]:
     recs: list[str] = []
     kinds = [k for k in KINDS if k in results]
+    bad = [f"{k} ({results[k]['nonfinite']} of {results[k]['numel']})" for k in kinds
+           if results[k].get("nonfinite")]  # fmt: skip
+    if bad:  # the statistics are of the finite values only: no verdict is honest
+        return [
+            "non-finite values in " + ", ".join(bad) + ": the model computes NaN/inf already "
+            "(a corrupted weight, a bad batch); fix that first, no format can be judged"
+        ]
     fmt_keys = {key for k in kinds for key in results[k] if key.startswith("format:")}
     if "format:bf16" in fmt_keys:
         worst = max(
