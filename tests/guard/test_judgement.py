@@ -246,6 +246,7 @@ def test_a_flipped_exponent_bit_is_a_bad_parameter_rolled_back(dtype: torch.dtyp
     )
     f = guard.events.of_kind("fault")[0]
     assert (f["module"], f["tensor"], f["op"]) == ("fc", "param:weight", "magnitude")
+    assert f["kind_of_value"] == "huge"  # finite: not called inf
     assert float(model.fc.weight.detach().abs().max()) < 10
     assert any("flipped" in d.cause for d in diagnose(guard.events.events))
     guard.close()

@@ -64,6 +64,8 @@ def _get(fields: dict[str, Any], key: str) -> Any:
 
 def _fault(f: dict[str, Any]) -> str:
     what = printable(_get(f, "kind_of_value") or "non-finite", 20)
+    if what == "huge":
+        what = "an absurd finite value"
     module = printable(_get(f, "module") or "", 80)
     tensor = printable(_get(f, "tensor") or "", 80)
     where = f"{module} {tensor}".strip() if module else f"the data ({tensor or 'input'})"

@@ -224,7 +224,9 @@ class Locator:
         if not ranked:
             return Vetting(amax, None)
         rank, t, v, why = min(ranked, key=lambda r: r[0])
-        kind: Literal["nan", "inf"] = "nan" if math.isnan(v) else "inf"
+        kind: Literal["nan", "inf", "huge"] = (
+            "nan" if math.isnan(v) else "huge" if why is not None and math.isfinite(v) else "inf"
+        )
         if why is not None:
             before = (previous_amax or {}).get(f"{t.owner}.{t.role}")
             limit_now = (

@@ -32,7 +32,9 @@ class Fault:
     ``"param:weight"``, ``"input[0]"``; when a parent is blamed for a value it made
     between its children, the role names the child it was passed to
     (``"mlp.input[0]"``, ``"attn.grad_output[0]"``). ``kind``: "nan" or "inf"
-    (NaN wins). ``stats``: the tensor's :class:`TensorStats` in "stats" mode.
+    (NaN wins), or "huge": a parameter still finite but absurdly large (the guard's
+    snapshot check: a flipped exponent bit). ``stats``: the tensor's
+    :class:`TensorStats` in "stats" mode.
     From a replay (the guard's localization) also: ``op``, the aten op
     (``"aten.log.default"``; ``"parameter"`` / ``"input"`` when the value was already
     there), ``source``, the user's line, and ``deterministic``: whether a replay of
@@ -46,7 +48,7 @@ class Fault:
     phase: Phase
     module: str
     tensor: str
-    kind: Literal["nan", "inf"]
+    kind: Literal["nan", "inf", "huge"]
     shape: tuple[int, ...] = ()
     stats: TensorStats | None = field(default=None, compare=False, repr=False)
     op: str | None = None
@@ -58,7 +60,8 @@ class Fault:
     def __str__(self) -> str:
         where = self.module or "<root>"
         on = f" on rank {self.rank}" if self.rank is not None else ""
-        text = f"step {self.step}: {self.kind} born in {where}{on} ({self.phase}, {self.tensor})"
+        what = "an absurd finite value" if self.kind == "huge" else self.kind
+        text = f"step {self.step}: {what} born in {where}{on} ({self.phase}, {self.tensor})"
         if self.op is not None:
             text += f" by {self.op}"
         if self.source is not None:

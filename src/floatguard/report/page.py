@@ -421,6 +421,10 @@ def _figure(plots: dict[str, Path], notes: dict[str, str], name: str, alt: str) 
 _MAX_CARDS = 200  # fault cards on the page (the count and the diagnosis cover them all)
 
 
+def _kind_words(kind: object) -> str:
+    return "an absurd finite value" if kind == "huge" else str(kind)
+
+
 def _fault_cards(log: RunLog) -> str:
     every = log.of_kind("fault")
     if not every:
@@ -444,7 +448,8 @@ def _fault_cards(log: RunLog) -> str:
         rank = f.fields.get("fault_rank")
         on = f" on <b>rank {_e(rank)}</b>" if rank is not None else ""
         out.append(
-            f'<div class="card"><b>step {f.step}</b>: {_e(f["kind_of_value"])} born in '
+            f'<div class="card"><b>step {f.step}</b>: {_e(_kind_words(f["kind_of_value"]))} '
+            "born in "
             f"<code>{_e(f['module'] or '<root>')}</code>{on} ({_e(f['phase'])}, "
             f"<code>{_e(f['tensor'])}</code>)<br>op: <code>{_e(f['op'] or '-')}</code>; "
             f"line: <code>{_e(f['source'] or '-')}</code><br>shape {_e(f['shape'])}; {det}"
