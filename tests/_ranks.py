@@ -1,7 +1,12 @@
-"""Run a function on N gloo ranks on CPU (loopback), every run bounded by a timeout."""
+"""Run a function on N gloo ranks on CPU (loopback), every run bounded by a timeout.
+
+The ranks are forked from a forkserver that imported torch and floatguard once (a spawn
+imports them anew in every rank: seconds per run on a small machine); the server never
+ran a torch op, so its forks start clean."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -12,6 +17,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+_CTX = mp.get_context("forkserver")
+# torch._dynamo: imported by the first optimizer a process builds (seconds on its own)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "floatguard"])
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, init: str, out: str, args: tuple) -> None:  # type: ignore[type-arg]
@@ -25,9 +34,14 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, init: str, out: str, a
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, out, *args)
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc()  # into this rank's stderr file, for the test to show
         sys.stderr.flush()
+        # As the interpreter does when a script's main raises (torchrun's ranks), which
+        # multiprocessing's children skip: the error kept as sys.last_value, then the
+        # atexit handlers.
+        sys.last_value = e
+        atexit._run_exitfuncs()
         raise
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     if isinstance(result, dict) and result.get("outcome") is not None:
@@ -51,7 +65,7 @@ def run_ranks(
     init = out / "init"
     ctx = mp.start_processes(
         _entry, args=(fn, world, str(init), str(out), args), nprocs=world, join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )  # fmt: skip
     deadline = time.monotonic() + timeout
     for p in ctx.processes:

@@ -153,12 +153,20 @@ def test_fsdp2_fault_on_one_rank(tmp_path: Path, watch: str) -> None:
     assert res[0]["finite"] and res[1]["finite"] and res[0]["stats"] >= 2
 
 
-def _raising_worker(rank: int, world: int, out: str, use_ddp: bool) -> dict[str, Any]:
+def _raising_worker(rank: int, world: int, out: str, mode: str) -> dict[str, Any]:
+    """Rank 1 raises in its closure at guard step 3. ``mode``: "plain" (the guard's own
+    all-reduce), "ddp" (the read on DDP's all-reduce, through the guard's comm hook) or
+    "own_hook" (DDP with the user's comm hook: a collective the guard does not own)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     torch.manual_seed(0)
     net = Net()
-    model: nn.Module = nn.parallel.DistributedDataParallel(net) if use_ddp else net
+    model: nn.Module = nn.parallel.DistributedDataParallel(net) if mode != "plain" else net
+    if mode == "own_hook":
+        model.register_comm_hook(None, default_hooks.allreduce_hook)  # type: ignore[operator]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = Guard(model, opt, peer_timeout_s=60.0, peer_grace_s=2.0)
+    log = os.path.join(out, f"run-rank{rank}.jsonl")
+    guard = Guard(model, opt, peer_timeout_s=60.0, peer_grace_s=2.0, log=log)
     x, y = torch.randn(8, 6), torch.randn(8, 1)
 
     def closure() -> torch.Tensor:
@@ -167,34 +175,55 @@ def _raising_worker(rank: int, world: int, out: str, use_ddp: bool) -> dict[str,
             raise ValueError("a user error on rank 1")
         return ((model(x) - y) ** 2).mean()
 
-    start = time.monotonic()
     try:
         for _ in range(6):
             guard.step(closure)
     except Exception as e:
-        outcome = (type(e).__name__, str(e), guard.step_count, time.monotonic() - start)
-        if rank == 1:
-            time.sleep(8)  # the raising rank stays alive: its peers must not wait for it
+        outcome = (type(e).__name__, str(e), guard.step_count)
+        if rank == 0:
+            Path(out, "stopped0").touch()
+        elif mode == "own_hook":
+            time.sleep(8)  # alive: rank 0 stays blocked until its watchdog ends it
+        else:  # alive until rank 0 stopped: it must not wait for this rank's exit
+            while not Path(out, "stopped0").exists():
+                time.sleep(0.01)
         return {"outcome": outcome}
     return {"outcome": None}
 
 
-def test_one_ranks_exception_ends_the_others_with_a_clear_error(tmp_path: Path) -> None:
-    res = run_ranks(_raising_worker, 2, tmp_path, False, timeout=90)
-    name, msg, step, waited = res[0]["outcome"]
+@pytest.mark.parametrize("mode", ["plain", "ddp"])
+def test_one_ranks_exception_ends_the_others_with_a_clear_error(tmp_path: Path, mode: str) -> None:
+    """Under DDP too: rank 0 waits in DDP's gradient all-reduce (the guard's comm hook),
+    which the guard ends with rank 1's failure: PeerFailed out of the backward."""
+    res = run_ranks(_raising_worker, 2, tmp_path, mode, timeout=90)
+    name, msg, step = res[0]["outcome"]
     assert name == "PeerFailed" and step == 3
     assert "rank 1 failed at guard step 3 (ValueError: a user error on rank 1)" in msg
-    assert waited < 15  # not gloo's timeout
     assert res[1]["outcome"][0] == "ValueError"
+    stops = [e for e in read_events(next(tmp_path.glob("ranks-*/run-rank0.jsonl")))
+             if e.kind == "stop"]  # fmt: skip
+    assert [(e.step, e.fields["reason"], e.fields["fault"]) for e in stops] == [
+        (3, "peer_failed", msg)
+    ]
 
 
-def test_under_ddp_the_watchdog_ends_a_rank_blocked_in_backward(tmp_path: Path) -> None:
-    """Rank 0 is inside DDP's gradient all-reduce, which rank 1 (raised in its forward)
-    never joins: the watchdog ends rank 0 after the grace period, saying why."""
-    res = run_ranks(_raising_worker, 2, tmp_path, True, timeout=90)
+def test_the_watchdog_ends_a_rank_blocked_in_a_collective_the_guard_does_not_own(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 is inside DDP's gradient all-reduce run by the user's own comm hook, which
+    rank 1 (raised in its forward) never joins: the watchdog writes the stop event and
+    ends rank 0 after the grace period, saying why."""
+    res = run_ranks(_raising_worker, 2, tmp_path, "own_hook", timeout=90)
     assert res[0].get("exitcode") == 1, res[0]
     assert "floatguard: rank 0 ends: rank 1 failed at guard step 3" in res[0]["stderr"]
     assert "ValueError: a user error on rank 1" in res[0]["stderr"]
+    stops = [e for e in read_events(next(tmp_path.glob("ranks-*/run-rank0.jsonl")))
+             if e.kind == "stop"]  # fmt: skip
+    assert len(stops) == 1 and stops[0].fields["reason"] == "peer_failed"
+    assert (
+        "rank 1 failed at guard step 3 (ValueError: a user error on rank 1)"
+        in (stops[0].fields["fault"])
+    )
 
 
 def _desync_worker(rank: int, world: int, out: str, mode: str, ddp: bool) -> dict[str, Any]:
@@ -218,11 +247,11 @@ def _desync_worker(rank: int, world: int, out: str, mode: str, ddp: bool) -> dic
 @pytest.mark.parametrize(
     ("mode", "ddp", "words"),
     [
-        ("step", False, "not on the same step"),
-        ("config", False, "configured differently"),
+        ("step", False, "not on the same guard step (rank 0 at guard step 2, rank 1 at "),
+        ("config", False, "spikes.z is "),
         # under DDP the read rides on DDP's gradient all-reduce (the guard's comm hook)
-        ("step", True, "steps differ between ranks"),
-        ("config", True, "configurations differ between ranks"),
+        ("step", True, "not on the same guard step (rank 0 at guard step 2, rank 1 at "),
+        ("config", True, "configured differently"),
     ],
 )
 def test_a_rank_on_another_step_or_configuration_stops_every_rank(
@@ -251,34 +280,36 @@ def test_the_fingerprint_ignores_memory_addresses() -> None:
 
 def test_the_packed_read_is_exact() -> None:
     """The step check and the norm combination, on the host (no processes)."""
-    from floatguard.distributed import GuardDesync, pack, unpack
+    from floatguard.guard.step_check import encode, pack, unpack
 
     z = torch.zeros(())
-    parts = [
-        pack(
-            z,
-            torch.tensor(4.0),
-            torch.tensor(9.0),
-            torch.tensor(1.0),
-            torch.tensor(False),
-            r,
-            4095 + 4096 * 3,
-            77,
-        )
-        for r in range(3)
-    ]
-    total = torch.stack(parts).sum(0).tolist()
-    agreed = unpack(total, 3, 0, 4095, 77)
+
+    def summed(parts: list[torch.Tensor]) -> list[float]:
+        return torch.stack(parts).sum(0).tolist()  # type: ignore[no-any-return]
+
+    mine = encode(4095 + 4096 * 3, 77, 3, 53)
+    four, nine, one, no = (
+        torch.tensor(4.0),
+        torch.tensor(9.0),
+        torch.tensor(1.0),
+        torch.tensor(False),
+    )
+    agreed = unpack(summed([pack(z, four, nine, one, no, r, mine) for r in range(3)]), 3, mine)
     # shards add up, replicas average
     assert agreed.grad_norm == pytest.approx(math.sqrt(3 * 4.0 + 9.0))
     assert agreed.loss == 1.0 and not agreed.found and agreed.bad_ranks == ()
-    off = [pack(z, z, z, z, torch.tensor(r == 1), r, 100 + (r == 2), 77) for r in range(3)]
-    with pytest.raises(GuardDesync, match="not on the same step"):
-        unpack(torch.stack(off).sum(0).tolist(), 3, 0, 100, 77)
-    bad = [pack(z, z, z, torch.tensor(math.nan if r == 2 else 0.0), torch.tensor(r == 2), r, 5, 1)
+    assert agreed.differs == ()
+    # steps 100 and 100 + 4096: equal modulo 4096 (the old check), told apart now
+    off = [pack(z, z, z, z, torch.tensor(r == 1), r, encode(100 + 4096 * (r == 2), 77, 3, 53))
            for r in range(3)]  # fmt: skip
-    a = unpack(torch.stack(bad).sum(0).tolist(), 3, 0, 5, 1)
-    assert math.isnan(a.loss) and a.bad_ranks == (2,)
+    assert unpack(summed(off), 3, encode(100, 77, 3, 53)).differs == ("step",)
+    cfg = [pack(z, z, z, z, z, r, encode(5, 77 + 2**40 * (r == 0), 3, 53)) for r in range(3)]
+    assert unpack(summed(cfg), 3, encode(5, 77, 3, 53)).differs == ("configuration",)
+    nan = torch.tensor(math.nan)
+    bad = [pack(z, z, z, nan if r == 2 else z, torch.tensor(r == 2), r, encode(5, 1, 3, 53))
+           for r in range(3)]  # fmt: skip
+    a = unpack(summed(bad), 3, encode(5, 1, 3, 53))
+    assert math.isnan(a.loss) and a.bad_ranks == (2,) and a.differs == ()
 
 
 def _own_hook_worker(rank: int, world: int, out: str) -> dict[str, Any]:

@@ -3,18 +3,24 @@
 Three ways, one interface (:class:`ReadChannel`):
 
 - *local* (no torch.distributed): the read is this process's;
-- *all-reduced*: one SUM all-reduce of :func:`floatguard.distributed.pack`'s layout;
+- *all-reduced*: one SUM all-reduce of :func:`floatguard.guard.step_check.pack`'s layout;
 - *carried*: under DDP, on DDP's own gradient all-reduce (a comm hook on the last
-  bucket, :class:`~floatguard.distributed.DDPReadHook`), no extra collective.
+  bucket, :class:`~floatguard.guard.ddp_hook.DDPReadHook`), no extra collective.
 
 Each way lays out its head of the packed tensor and decodes it (:class:`Head`); the
-reader appends the hook monitor's records after it and reads the whole once.
+reader appends the hook monitor's records after it and reads the whole once. Both carry
+the exact step check (:mod:`floatguard.guard.step_check`): ranks on another guard step
+or configured differently stop with GuardDesync at that step, named by an all-gather.
+The run's edges are here too: :meth:`ReadChannel.begin` (a step begins: a peer that
+failed, finished or exited stops it before any collective), :meth:`ReadChannel.finish`
+(the end of the run, together) and :meth:`ReadChannel.stopped` (the ``stop`` event).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,14 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard.distributed import (
-    SLOTS,
-    DDPReadHook,
-    Peers,
-    config_fingerprint,
-    pack,
-    unpack,
-)
+from floatguard.distributed import Peers, config_fingerprint
+from floatguard.guard.ddp_hook import DDPReadHook
+from floatguard.guard.step_check import HEAD, desync_error, encode, leaves, pack, unpack
 from floatguard.monitor.localize import Fault
 from floatguard.stability.clip import total_norm
 
@@ -82,8 +83,10 @@ class ReadChannel:
         self.model = model
         self.peers = peers
         self.norm_type = norm_type
+        self.configuration = configuration
         self.fingerprint = config_fingerprint(configuration)
         self.ddp_hook = self._register_ddp_hook(process_group)
+        self.finished = False
 
     @property
     def rank(self) -> int:
@@ -99,12 +102,36 @@ class ReadChannel:
         read is all-reduced separately."""
         if self.peers is None or not isinstance(self.model, nn.parallel.DistributedDataParallel):
             return None
-        hook = DDPReadHook(group, self.peers.world)
+        hook = DDPReadHook(group, self.peers)
         try:
             self.model.register_comm_hook(None, hook.as_comm_hook())
         except RuntimeError:  # "can only be called once": the user's hook stays
             return None
         return hook
+
+    # ------------------------------------------------------------ the run
+    def begin(self, step: int) -> None:
+        """Guard step ``step`` begins: refused after :meth:`finish`; under
+        torch.distributed, this rank's failure (or a peer's finish or exit) raises now."""
+        if self.finished:
+            raise RuntimeError(
+                f"guard.step() after guard.finish(): the run ended after {step} guard steps"
+            )
+        if self.peers is not None:
+            self.peers.begin(step)
+
+    def finish(self, steps: int) -> None:
+        """End the run after ``steps`` guard steps; under torch.distributed together with
+        every rank (:meth:`Peers.finish`: GuardDesync if another rank took another number
+        of steps, PeerFailed if one is gone)."""
+        if self.peers is not None:
+            self.peers.finish(steps)
+        self.finished = True
+
+    def stopped(self, step: int, error: BaseException) -> None:
+        """The guard stops with PeerFailed / GuardDesync: the ``stop`` event, written once."""
+        if self.peers is not None:
+            self.peers.stopped(step, error)
 
     # ------------------------------------------------------------ the step
     def region(self) -> contextlib.AbstractContextManager[None]:
@@ -119,7 +146,7 @@ class ReadChannel:
             return None
 
         def arm(loss: torch.Tensor) -> None:
-            hook.arm(loss, ~torch.isfinite(loss), peers.rank, step, self.fingerprint)
+            hook.arm(loss, ~torch.isfinite(loss), step, self.fingerprint)
 
         return arm
 
@@ -149,8 +176,12 @@ class ReadChannel:
             if carried is not None:
 
                 def decode_carried(values: list[float]) -> Agreed:
-                    summed = hook.values(values, peers.rank, step, self.fingerprint)
-                    return self._agreed(summed, step)
+                    c = hook.decode(values, step)
+                    self._check(c.differs, step)
+                    sq = c.norm_sq
+                    norm = math.sqrt(sq) if sq >= 0 or math.isnan(sq) else math.nan
+                    found = not c.found == 0.0  # NaN counts as found
+                    return Agreed(found, norm, c.loss / peers.world, c.bad_ranks)
 
                 return Head(carried, decode_carried)
         sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]  # FSDP2 shards
@@ -159,15 +190,29 @@ class ReadChannel:
         sq_sh = total_norm(sharded).to(dev).double() ** 2 if sharded else zero
         n_rep = total_norm(replicated).to(dev).double() if replicated else zero
         local_bad = ~torch.isfinite(loss) | ~torch.isfinite(n_rep) | ~torch.isfinite(sq_sh)
-        packed = pack(found, sq_sh, n_rep**2, loss, local_bad, peers.rank, step, self.fingerprint)
-        reduced = peers.all_reduce_sum(packed, "step read")
-        assert reduced.numel() == SLOTS.size
-        return Head(reduced, lambda values: self._agreed(values, step))
+        mine = encode(step, self.fingerprint, peers.world, 53)
+        packed = pack(found, sq_sh, n_rep**2, loss, local_bad, peers.rank, mine)
+        reduced = peers.all_reduce_sum(packed, "the guard's step read")
+        assert reduced.numel() == HEAD + len(mine)
+        return Head(reduced, lambda values: self._agreed(values, step, mine))
 
-    def _agreed(self, summed: list[float], step: int) -> Agreed:
+    def _agreed(self, summed: list[float], step: int, mine: list[float]) -> Agreed:
         assert self.peers is not None
-        agreed = unpack(summed, self.peers.world, self.peers.rank, step, self.fingerprint)
+        agreed = unpack(summed, self.peers.world, mine)
+        self._check(agreed.differs, step)
         return Agreed(agreed.found, agreed.grad_norm, agreed.loss, agreed.bad_ranks)
+
+    def _check(self, differs: tuple[str, ...], step: int) -> None:
+        """The exact step check's verdict: every rank sees the same sums, so every rank
+        that fails it all-gathers its step and configuration and raises the same
+        GuardDesync, naming the ranks and what differs; else the step's read is done."""
+        peers = self.peers
+        assert peers is not None
+        if differs:
+            record = {"step": step, "config": leaves(self.configuration)}
+            records = peers.all_gather_json(record, "the step check", size=16384)
+            raise peers.fail(desync_error(peers.rank, step, differs, records), tell=False)
+        peers.read_done()
 
     # ------------------------------------------------------- a bad step
     def agree(self, local: Fault | None, bad_ranks: tuple[int, ...], what: str) -> Fault | None:

@@ -140,7 +140,11 @@ class Guard(GuardPersistence):
         )
         peers = (
             Peers(
-                process_group, timeout_s=peer_timeout_s, grace_s=peer_grace_s, device=self._device
+                process_group,
+                timeout_s=peer_timeout_s,
+                grace_s=peer_grace_s,
+                device=self._device,
+                on_stop=self._emit.stop,
             )
             if self._distributed
             else None
@@ -292,8 +296,7 @@ class Guard(GuardPersistence):
         try:
             return self._step(closure, replay)
         except (PeerFailed, GuardDesync) as e:
-            reason = "peer_failed" if isinstance(e, PeerFailed) else "desync"
-            self._emit.stop(self.step_count, reason, str(e))
+            self._channel.stopped(self.step_count, e)  # the stop event, once
             raise
         except GuardStopped:
             raise  # decided together: every rank raises it
@@ -301,11 +304,20 @@ class Guard(GuardPersistence):
             self._channel.announce_failure(self.step_count, e)
             raise
 
+    def finish(self) -> None:
+        """End the run after the last step: under torch.distributed a join, every rank
+        after as many guard steps (else GuardDesync on every rank; a rank gone: PeerFailed)."""
+        try:
+            self._channel.finish(self.step_count)
+        except (PeerFailed, GuardDesync) as e:
+            self._channel.stopped(self.step_count, e)
+            raise
+
     def _step(
         self, closure: Closure | Sequence[Closure] | None, replay: Sequence[Closure] | None
     ) -> StepResult:
         closures = as_closures(closure)
-        self._channel.raise_if_failed()
+        self._channel.begin(self.step_count)  # a peer failed, finished or exited: stop now
         step = self.step_count
         initial = self._snapshot_pending
         if initial:  # the state this step starts from, vetted by the step's own read
