@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard.distributed import Peers, config_fingerprint
+from floatguard.distributed import config_fingerprint
 from floatguard.guard.ddp_hook import DDPReadHook
+from floatguard.guard.peers import Peers
 from floatguard.guard.step_check import HEAD, desync_error, encode, leaves, pack, unpack
 from floatguard.monitor.localize import Fault
 from floatguard.stability.clip import total_norm

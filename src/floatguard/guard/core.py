@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard.distributed import GuardDesync, PeerFailed, Peers
+from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.events import EventLog
 from floatguard.guard import policy
 from floatguard.guard._setup import check_args, configuration, rank_of
@@ -33,6 +33,7 @@ from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import Judge, Verdict
 from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.locate import Locator
+from floatguard.guard.peers import Peers
 from floatguard.guard.persist import GuardPersistence
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.run import StepRunner, as_closures

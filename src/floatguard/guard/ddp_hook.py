@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from floatguard.distributed import GuardDesync, Peers
+from floatguard.distributed import GuardDesync
+from floatguard.guard.peers import Peers
 from floatguard.guard.step_check import bad_ranks_of, differing, encode, slot_count
 
 __all__ = ["Carried", "DDPReadHook"]

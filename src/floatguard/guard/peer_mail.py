@@ -1,0 +1,153 @@
+"""The peer channel: one-record messages between the ranks' guards, on a side gloo group.
+
+Words used here:
+
+- *a message*: a small JSON record (at most 1 KiB, zero-padded), sent point to point
+  with ``isend``; its ``kind`` says what it is (see :mod:`floatguard.guard.peers`).
+- *the listener*: a thread that receives from any rank and hands every message on,
+  except the status questions and answers, which it handles itself: a rank asked
+  "status?" answers at once with :attr:`Mailbox.status`'s record, so a rank whose main
+  thread is blocked in a collective still answers; one that does not is gone.
+- *flushing*: waiting (bounded) until the messages sent are out, before a process that
+  stops may exit. A gloo send reports its completion only through ``wait``.
+
+No home-made transport: everything goes through torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["ASK_S", "Mailbox"]
+
+_MSG_BYTES = 1024
+_TAG = 7919  # the peer channel's point-to-point tag
+ASK_S = 2.0  # how long a status question waits for the answers (alive ranks answer at once)
+
+
+class Mailbox:
+    """Messages to and from the other ranks of a group (``ranks``: their global ranks, in
+    group order; ``rank``: this one's index). ``on_message(record)``: what the listener
+    does with a message; ``status()``: this rank's answer to a status question."""
+
+    def __init__(
+        self,
+        ranks: list[int],
+        rank: int,
+        on_message: Callable[[dict[str, Any]], None],
+        status: Callable[[], dict[str, Any]],
+    ) -> None:
+        import torch.distributed as dist
+
+        self.ranks, self.rank, self.world = ranks, rank, len(ranks)
+        self.on_message, self.status = on_message, status
+        self.telling = threading.Lock()  # held while a failure is told (flush waits for it)
+        self._lock = threading.Lock()
+        self._sends: list[Any] = []
+        self._replies: dict[int, dict[int, dict[str, Any]]] = {}
+        self._asked = 0
+        self.closed = False
+        try:  # every rank of the group builds its guard together; only they take part
+            self.group: Any = dist.new_group(
+                ranks=ranks, backend="gloo", use_local_synchronization=True
+            )
+        except (RuntimeError, ValueError) as e:  # a torch built without gloo
+            warnings.warn(
+                f"floatguard: no gloo group for the peer channel ({e}): a rank that fails "
+                "cannot tell the others (they wait for their timeout)",
+                stacklevel=4,
+            )
+            self.group = None
+
+    def start(self) -> None:
+        """Start the listener (once its owner is ready for messages)."""
+        if self.group is not None:
+            threading.Thread(target=self._listen, name="floatguard-peers", daemon=True).start()
+
+    @property
+    def available(self) -> bool:
+        return self.group is not None
+
+    def send(self, peer: int, record: dict[str, Any]) -> None:
+        """Send ``record`` to rank ``peer`` (of the group); a peer already gone is skipped."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        data = json.dumps(record, default=str).encode()[:_MSG_BYTES]
+        buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        try:
+            w = dist.isend(buf, dst=self.ranks[peer], group=self.group, tag=_TAG)
+        except RuntimeError:  # a peer that is already gone
+            return
+        if w is not None:
+            with self._lock:
+                self._sends.append(w)
+
+    def send_all(self, record: dict[str, Any]) -> None:
+        for r in range(self.world):
+            if r != self.rank:
+                self.send(r, record)
+
+    def flush(self, seconds: float) -> None:
+        """Wait (at most ``seconds``) until the messages sent are out."""
+        deadline = time.monotonic() + seconds
+        with self.telling, self._lock:
+            sends, self._sends = self._sends, []
+        for w in sends:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                w.wait(timeout=timedelta(seconds=left))
+            except RuntimeError:  # a peer that is gone, or the time is up
+                pass
+
+    def ask(self) -> dict[int, dict[str, Any] | None]:
+        """Every peer's status (None: no answer within :data:`ASK_S` seconds: gone)."""
+        with self._lock:
+            self._asked += 1
+            qid = self._asked
+            self._replies[qid] = {}
+        self.send_all({"kind": "status?", "rank": self.rank, "id": qid})
+        deadline = time.monotonic() + ASK_S
+        while time.monotonic() < deadline and len(self._replies[qid]) < self.world - 1:
+            time.sleep(0.005)
+        with self._lock:
+            got = self._replies.pop(qid)
+        return {r: got.get(r) for r in range(self.world) if r != self.rank}
+
+    def _listen(self) -> None:
+        import torch.distributed as dist
+
+        while not self.closed:
+            buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+            try:
+                work = dist.irecv(buf, group=self.group, tag=_TAG)  # from any rank
+                if work is None:
+                    return
+                work.wait()
+            except RuntimeError:  # the channel was torn down (a peer exited, shutdown)
+                return
+            try:
+                record = json.loads(bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace"))
+            except json.JSONDecodeError:
+                record = {"kind": "failed", "rank": "?", "step": "?", "error": "unreadable message"}
+            kind, peer = record.get("kind"), record.get("rank")
+            if kind == "status?" and isinstance(peer, int):
+                self.send(peer, {**self.status(), "kind": "status", "id": record.get("id")})
+            elif kind == "status" and isinstance(peer, int):
+                with self._lock:
+                    if record.get("id") in self._replies:
+                        self._replies[record["id"]][peer] = record
+            else:
+                self.on_message(record)
