@@ -9,7 +9,7 @@ Words used here:
   a bit (0 or 1), so the SUM over the ranks adds digit by digit without carries (a
   digit's sum is at most n < n+1) and every partial sum is an integer below 2**m: exact
   whatever order the backend adds in. 2 ranks: 10 float32 or 4 float64 slots; 64 ranks:
-  44 / 20; 4096 ranks: 128 / 44 (at most 512 bytes on an all-reduce that carries the
+  44 / 16; 4096 ranks: 128 / 32 (at most 512 bytes on an all-reduce that carries the
   gradients).
 - *the check*: the ranks hold the same step (fingerprint) exactly when every summed slot
   equals n times this rank's own: without carries the sum's digits are the per-bit
