@@ -288,3 +288,52 @@ def test_the_step_check_refuses_what_is_not_its_sum() -> None:
     assert differing([math.nan] * len(mine), mine, 2, 24) == ("garbled",)
     assert differing([3.0**15, *mine[1:]], mine, 2, 24) == ("garbled",)  # beyond 2 ranks' sums
     assert slot_count(2**24, 24) == 0  # no exact check in float32 beyond this world
+
+
+_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from floatguard import Guard
+rank, init, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(6, 1))
+guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.05), log=log)
+x, y = torch.randn(8, 6), torch.randn(8, 1)
+for _ in range(4 if rank == 1 else 6):  # uneven data
+    guard.step(lambda: ((model(x) - y) ** 2).mean())
+guard.finish()
+"""
+
+
+def test_a_script_that_stops_exits_with_its_error_not_sigabrt(tmp_path: Path) -> None:
+    """Two interpreters, as torchrun starts them (the multiprocessing ranks above skip
+    the interpreter's teardown): uneven data ends both with the GuardDesync traceback
+    and exit code 1, not gloo's SIGABRT at teardown with a collective left pending."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "uneven.py"
+    script.write_text(_SCRIPT)
+    init = tmp_path / "init"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(r: int) -> subprocess.Popen[str]:
+        log = tmp_path / f"run-rank{r}.jsonl"
+        args = [sys.executable, str(script), str(r), str(init), str(log)]
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)  # fmt: skip
+
+    procs = [start(0), start(1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 1, (r, p.returncode, out[-2000:])
+        assert "terminate called" not in out and "floatguard.distributed.GuardDesync" in out
+        assert [e.fields["reason"] for e in read_events(tmp_path / f"run-rank{r}.jsonl")
+                if e.kind == "stop"] == ["desync"]  # fmt: skip

@@ -9,9 +9,11 @@ Words used here:
   not, so the all-reduce has the same size on every rank: a backward outside
   guard.step() on one rank meets the others' guard step as an unarmed read (a
   GuardDesync naming it), never as a collective of another size (which crashes gloo).
-- *gated*: every bucket's future is :meth:`Peers.gated`'s, completed by the backend or
-  with this rank's failure, so DDP's backward raises a peer's failure, a finish, a
-  lost connection or the timeout instead of waiting forever.
+- *gated*: every CPU bucket's future is :meth:`Peers.gated`'s, completed with the
+  all-reduce or with this rank's failure, so DDP's backward raises a peer's failure, a
+  finish, a lost connection or the timeout instead of waiting forever. A CUDA bucket
+  keeps the backend's own future (its stream order; NCCL's own watchdog ends a wait
+  there).
 
 Norm and overflow need no reduction (DDP's gradients are the same average on every
 rank). Bad bits and armed bits name ranks below 24 (float32's mantissa); above, the
@@ -93,14 +95,15 @@ class DDPReadHook:
         extra = self._extras(buf.dtype, buf.device) if bucket.is_last() else None
         armed = self.pending is not None and extra is not None
         step = self.pending[2] if self.pending is not None else self.peers.next_step()
-        what = "DDP's gradient all-reduce"
-        if extra is None:
-            work = dist.all_reduce(buf.div_(self.world), group=self.group, async_op=True)
-            return self.peers.gated(work, what, step)
-        self.pending = None
+        if extra is not None:
+            self.pending = None
         n = buf.numel()
-        both = torch.cat([buf.div(self.world), extra])
+        both = buf.div_(self.world) if extra is None else torch.cat([buf.div(self.world), extra])
         work = dist.all_reduce(both, group=self.group, async_op=True)
+        if both.is_cuda:  # the backend's own future keeps its stream order (not gated)
+            fut = work.get_future().then(lambda f: f.value()[0])
+        else:
+            fut = self.peers.gated(work, "DDP's gradient all-reduce", step)
 
         def split(f: Any) -> torch.Tensor:
             out: torch.Tensor = f.value()
@@ -108,7 +111,7 @@ class DDPReadHook:
                 self.result, self.dtype = out[n:].clone(), out.dtype
             return out[:n]
 
-        return self.peers.gated(work, what, step).then(split)
+        return fut if extra is None else fut.then(split)
 
     def take(self, found: torch.Tensor, norm: torch.Tensor) -> torch.Tensor | None:
         """The step's read as carried (float64: this rank's overflow flag and squared

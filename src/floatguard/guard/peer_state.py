@@ -52,6 +52,7 @@ class Wait:
     step: int
     start: float
     gate: Any = None
+    work: Any = None  # the backend's work behind a gate
     error: BaseException | None = None
 
 

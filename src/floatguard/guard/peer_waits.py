@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -80,6 +81,8 @@ class PeerWaits:
         self._inside = 0
         self._raised = self._closed = self._stop_written = False
         self._wake = threading.Event()  # wakes the watchdog
+        self._works: queue.SimpleQueue[tuple[Any, Wait]] = queue.SimpleQueue()
+        threading.Thread(target=self._await_works, name="floatguard-waiter", daemon=True).start()
         ranks = list(range(self.world))
         if group is not None:
             ranks = [int(dist.get_global_rank(group, r)) for r in ranks]
@@ -105,10 +108,12 @@ class PeerWaits:
         return self.state.step + 1 if self.state.read_done else self.state.step
 
     def _check_partners(self, step: int, doing: str) -> None:
-        """A peer that finished after at most ``step`` steps, or exited, will not join."""
+        """A peer that finished or exited after at most ``step`` steps will not join
+        (a collective of an earlier step it took part in: it completes)."""
         with self._lock:
             finished = [(p, m, how) for p, (m, how) in self.state.finished.items() if m <= step]
-            exited = sorted(self.state.exited.items())
+            exited = sorted((p, rec) for p, rec in self.state.exited.items()
+                            if int(rec.get("steps", -1)) <= step)  # fmt: skip
         if exited:
             p, rec = exited[0]
             self._fail(PeerFailed, exited_text(self.rank, doing, step, p, rec), (p,), step)
@@ -150,29 +155,45 @@ class PeerWaits:
         return records
 
     def gated(self, work: Any, what: str, step: int) -> Any:
-        """A future of ``work``'s tensor that DDP may wait on: completed by the backend, or
-        with this rank's failure (a peer's, a timeout, a lost connection), so that
-        DDP's backward raises instead of waiting forever."""
+        """A future of ``work``'s tensor (a CPU all-reduce) that DDP may wait on:
+        completed when the work is, or with this rank's failure (a peer's, a timeout, a
+        lost connection), so that DDP's backward raises instead of waiting forever.
+
+        The waiter thread polls the work: neither a callback on it nor a thread blocked
+        in its ``wait``, for either returns into Python when a pending work fails
+        during the interpreter's teardown (the peer's connection closes), and the
+        process aborts there (SIGABRT instead of the error's exit code)."""
         gate: Any = torch.futures.Future()
-        w = self._track(what, step, gate)
-
-        def done(f: Any) -> None:
-            try:
-                value = f.value()[0]
-            except Exception as e:  # the backend's error: the watchdog explains it
-                w.error = e
-                self._wake.set()
-                return
-            self._untrack(w)
-            resolve_gate(gate, value)
-
-        work.get_future().add_done_callback(done)
+        w = self._track(what, step, gate, work)
+        self._works.put((work, w))
         if self.failure is not None:
             self._interrupt()
         return gate.then(unwrap_gate)
 
-    def _track(self, what: str, step: int, gate: Any = None) -> Wait:
-        w = Wait(what, step, time.monotonic(), gate)
+    def _await_works(self) -> None:
+        """The waiter thread: every gated work in turn (a group's works end in order),
+        polled (see :meth:`gated`)."""
+        while True:
+            work, w = self._works.get()
+            delay = 2e-5
+            try:
+                while not work.is_completed():
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1e-3)
+                work.wait()
+                value = work.get_future().value()[0]
+            except Exception as e:  # the backend's error: the watchdog explains it
+                w.error = e
+                err = self._error()
+                if err is not None:  # explained already (see _interrupt)
+                    resolve_gate(w.gate, err)
+                self._wake.set()
+                continue
+            self._untrack(w)
+            resolve_gate(w.gate, value)
+
+    def _track(self, what: str, step: int, gate: Any = None, work: Any = None) -> Wait:
+        w = Wait(what, step, time.monotonic(), gate, work)
         with self._lock:
             self.state.waits.append(w)
         self._check_partners(step, f"waits in {what} of")
@@ -223,7 +244,9 @@ class PeerWaits:
                                     "message": message[:700]})  # fmt: skip
         self._interrupt()
         if self._inside and self.grace_s is not None:
-            threading.Timer(self.grace_s, self._end_if_stuck).start()
+            timer = threading.Timer(self.grace_s, self._end_if_stuck)
+            timer.daemon = True  # the process's exit does not wait for it
+            timer.start()
 
     def fail(self, error: DistributedStop, tell: bool) -> DistributedStop:
         """Stop with ``error`` found by the caller (the channel's checks); returns it."""
@@ -238,9 +261,11 @@ class PeerWaits:
         if err is None:
             return
         with self._lock:
-            gates = [w.gate for w in self.state.waits if w.gate is not None]
-        for gate in gates:
-            resolve_gate(gate, err)
+            gated = [w for w in self.state.waits if w.gate is not None]
+        for w in gated:
+            if w.error is None and w.work is not None and w.work.is_completed():
+                continue  # it succeeded (or failed, unseen yet): the waiter completes it
+            resolve_gate(w.gate, err)
 
     def raise_if_failed(self) -> None:
         """Raise this rank's failure, if it has one (a fresh exception each time)."""

@@ -141,7 +141,7 @@ class Peers(PeerWaits):
                 waits = list(self.state.waits)
             if self.state.finishing is None:
                 steps = int(step) if kind == "finished" else int(rec.get("steps", -1))
-                late = [w for w in waits if w.step >= steps or kind == "exited"]
+                late = [w for w in waits if w.step >= steps]
                 if late:
                     self._check_partners(late[0].step, f"waits in {late[0].what} of")
         elif kind == "stop":
