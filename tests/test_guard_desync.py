@@ -337,3 +337,15 @@ def test_a_script_that_stops_exits_with_its_error_not_sigabrt(tmp_path: Path) ->
         assert "terminate called" not in out and "floatguard.distributed.GuardDesync" in out
         assert [e.fields["reason"] for e in read_events(tmp_path / f"run-rank{r}.jsonl")
                 if e.kind == "stop"] == ["desync"]  # fmt: skip
+
+
+def test_finish_without_torch_distributed_ends_the_run() -> None:
+    model = nn.Linear(3, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 3)
+    guard.step(lambda: model(x).pow(2).mean())
+    guard.finish()
+    with pytest.raises(RuntimeError, match=r"guard.step\(\) after guard.finish\(\): the run ended "
+                       "after 1 guard steps"):  # fmt: skip
+        guard.step(lambda: model(x).pow(2).mean())
+    assert guard.step_count == 1 and guard.events.of_kind("stop") == []
