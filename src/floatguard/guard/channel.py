@@ -254,10 +254,6 @@ class ReadChannel:
             yield
 
     # ------------------------------------------------------- failures
-    def raise_if_failed(self) -> None:
-        if self.peers is not None:
-            self.peers.raise_if_failed()
-
     def announce_failure(self, step: int, error: BaseException) -> None:
         """This rank alone raised out of its guard: tell the others, who wait on it."""
         if self.peers is not None:
