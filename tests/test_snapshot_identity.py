@@ -314,9 +314,8 @@ def test_a_second_guard_in_this_process_is_refused(tmp_path: Path) -> None:
     second.close()
 
 
-_HOLDER = textwrap.dedent(
-    """
-    import sys, torch
+# A guard on the folder given as argv[1], one step taken (then each script goes on).
+_ONE_STEP = """
     import torch.nn.functional as F
     from torch import nn
     from floatguard import Guard, ResponsePolicy
@@ -326,7 +325,14 @@ _HOLDER = textwrap.dedent(
     guard = Guard(model, opt, response=ResponsePolicy(snapshot_dir=sys.argv[1]))
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     guard.step(lambda: F.mse_loss(model(x), y))
-    print("ready", flush=True)
+"""
+
+_HOLDER = textwrap.dedent(
+    """
+    import sys, torch
+"""
+    + _ONE_STEP
+    + """    print("ready", flush=True)
     sys.stdin.read()  # hold the folder until killed
     """
 )
@@ -370,16 +376,9 @@ def test_a_guard_of_another_process_holds_the_folder_until_it_dies(tmp_path: Pat
 _FORKER = textwrap.dedent(
     """
     import multiprocessing, os, sys, time, torch
-    import torch.nn.functional as F
-    from torch import nn
-    from floatguard import Guard, ResponsePolicy
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = Guard(model, opt, response=ResponsePolicy(snapshot_dir=sys.argv[1]))
-    x, y = torch.randn(8, 8), torch.randn(8, 4)
-    guard.step(lambda: F.mse_loss(model(x), y))
-    child = os.fork()
+"""
+    + _ONE_STEP
+    + """    child = os.fork()
     if child == 0:
         sys.exit(0)  # a forked child that exits normally: its exit handlers run
     os.waitpid(child, 0)

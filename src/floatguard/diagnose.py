@@ -216,11 +216,14 @@ def _param_kind(e: Event) -> str:
     return "weight"
 
 
+def _param_faults(events: RunLog, *kinds: str) -> list[Event]:
+    """The parameter-phase faults of the given :func:`_param_kind` kinds."""
+    return [e for e in events.of_kind("fault") if e["phase"] == "param" and _param_kind(e) in kinds]
+
+
 @_rule
 def optimizer_update(events: RunLog) -> list[Finding]:
-    hits = [
-        e for e in events.of_kind("fault") if e["phase"] == "param" and _param_kind(e) == "update"
-    ]
+    hits = _param_faults(events, "update")
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
@@ -256,9 +259,7 @@ def optimizer_update(events: RunLog) -> list[Finding]:
 
 @_rule
 def bad_optimizer_state(events: RunLog) -> list[Finding]:
-    hits = [
-        e for e in events.of_kind("fault") if e["phase"] == "param" and _param_kind(e) == "state"
-    ]
+    hits = _param_faults(events, "state")
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
@@ -296,10 +297,7 @@ def bad_optimizer_state(events: RunLog) -> list[Finding]:
 
 @_rule
 def bad_parameter(events: RunLog) -> list[Finding]:
-    hits = [
-        e for e in events.of_kind("fault")
-        if e["phase"] == "param" and _param_kind(e) in ("weight", "magnitude")
-    ]  # fmt: skip
+    hits = _param_faults(events, "weight", "magnitude")
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
