@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from floatguard import Guard, ResponsePolicy, SnapshotError, read_events
+from floatguard.report import render_report
+from floatguard.runlog import RunLog
 
 _TRAIN = textwrap.dedent(
     """
@@ -98,6 +100,24 @@ def test_a_killed_run_resumes_bit_identically(tmp_path: Path, kill_after: int) -
     same_span = [e for e in ev_full if e.step >= start][: len(after)]
     assert _comparable(after) == _comparable(same_span)
     assert len(after) == len([e for e in ev_full if e.step >= start])
+    # the report and the diagnosis read the resumed log as the uninterrupted run: the
+    # steps the kill cut short (logged before the resume) are superseded by it
+    full_log, cut_log = (
+        RunLog.read([tmp_path / "full.jsonl"]),
+        RunLog.read([tmp_path / "cut.jsonl"]),
+    )
+    assert len(cut_log.steps) == N
+    for column in ("step", "action", "reason", "loss", "grad_norm"):
+        assert repr(cut_log.steps.column(column)) == repr(full_log.steps.column(column))
+    assert cut_log.superseded == len(
+        [e for e in ev_cut[: marks[0]] if e.step >= start and e.kind not in ("run", "stop")]
+    )
+    assert [(e.kind, e.step) for e in cut_log.of_kind("fault")] == [
+        (e.kind, e.step) for e in full_log.of_kind("fault")
+    ]
+    assert cut_log.counts["step"] == N
+    html = render_report([tmp_path / "cut.jsonl"], tmp_path / "report").read_text()
+    assert f"of {N} steps" in html
 
 
 def _net() -> tuple[nn.Module, torch.optim.Optimizer]:

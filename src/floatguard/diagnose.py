@@ -827,6 +827,17 @@ def stopped(events: RunLog) -> list[Finding]:
         return []
     s = stops[-1]
     reason = str(s["reason"] or "unknown")
+    resumed = [r for r in events.of_kind("resume") if r.rank == s.rank and r.time >= s.time]
+    if resumed:  # the run went on: the stop is history, not how it ended
+        return [Finding(
+            "stopped", "The guard stopped the run once; it was resumed",
+            f"at step {s.step}: {reason} ({describe(reason)}); resumed from step "
+            f"{resumed[-1].step}" + (f"; the fault: {s['fault']}" if s["fault"] else ""),
+            "the steps from the resumed snapshot on were run again (their earlier events "
+            "are superseded by the resume)",
+            "if the cause was not fixed before resuming, expect the same stop again",
+            1, (s.step, resumed[-1].step),
+        )]  # fmt: skip
     return [Finding(
         "stopped", "The guard stopped the run",
         f"at step {s.step}: {reason} ({describe(reason)})"

@@ -7,6 +7,12 @@ diagnosis read: each tensor's counts, amax and fp16 underflow, with the exponent
 histogram and every format's fractions kept only for the latest sample of each rank
 (the one the histograms plot). Reading streams the file line by line, so memory is
 bounded by the number of steps and samples, not by the log's bytes.
+
+A ``resume`` event supersedes what its rank logged before it for the steps it redoes
+(a crash cut them short, or a run resumed from an older snapshot): those steps'
+events (steps, faults, spikes, statistics, ...) are dropped when the ``resume`` is
+read, so a redone step counts once; the run's history of its edges (``run``,
+``stop``, ``resume``, snapshot errors and fallbacks) is kept.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ __all__ = ["RunLog", "Steps", "global_view", "reduce_stats", "tensor_fields"]
 _ACTIONS = (None, "applied", "skipped", "rolled_back")
 _CODE = {a: i for i, a in enumerate(_ACTIONS)}
 _FLOATS = ("loss", "grad_norm", "clip_coef", "scale", "lr_factor")
+# What a step logs; a resume supersedes its rank's events of these kinds for the steps
+# it redoes (the rest are the run's edges, kept: run, stop, resume, snapshot errors).
+_REDONE = frozenset({"step", "overflow", "spike", "lr_backoff", "rollback", "snapshot",
+                     "stats", "fault", "warning"})  # fmt: skip
 
 
 class Steps(Sequence[Event]):
@@ -92,6 +102,15 @@ class Steps(Sequence[Event]):
         values, none = self._floats[name], self._none[name]
         return [None if n else v for v, n in zip(values, none, strict=True)]
 
+    def drop_redone(self, rank: int, step: int) -> int:
+        """Drop ``rank``'s steps from ``step`` on (a resume redoes them); how many."""
+        if not any(r == rank and s >= step for r, s in zip(self.rank, self.step, strict=True)):
+            return 0
+        kept = self.where(lambda j: not (self.rank[j] == rank and self.step[j] >= step))
+        dropped = len(self) - len(kept)
+        self.__dict__.update(kept.__dict__)
+        return dropped
+
     def where(self, keep: Callable[[int], bool]) -> Steps:
         """The steps at the indices ``keep`` accepts (a rank's, say), as new columns."""
         out = Steps()
@@ -115,7 +134,8 @@ def _slim(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class RunLog:
     """A run's events, compact (see the module): ``steps`` (:class:`Steps`), ``events``
-    (every other kind kept, in log order), ``counts`` (events per kind, all of them)."""
+    (every other kind kept, in log order), ``counts`` (events per kind, all of them but
+    the ``superseded``: the events of steps a ``resume`` redid, see the module)."""
 
     def __init__(self) -> None:
         self.steps = Steps()
@@ -124,15 +144,20 @@ class RunLog:
         self.rank_counts: Counter[int] = Counter()  # events per rank, all of them
         self._latest_stats: dict[int, int] = {}  # rank -> index in events of its last sample
         self._by_kind: dict[str, list[Event]] | None = None
+        self._snapshots: Counter[tuple[int, int]] = Counter()  # (rank, step) -> count
+        self.superseded = 0  # events of redone steps, dropped (see the module)
 
     def add(self, e: Event) -> None:
         """One event (conformed: see :func:`floatguard.events.conform_events`)."""
+        if e.kind == "resume":
+            self._supersede(e.rank, e.step)
         self.counts[e.kind] += 1
         self.rank_counts[e.rank] += 1
         if e.kind == "step":
             self.steps.append(e)
             return
         if e.kind == "snapshot":
+            self._snapshots[e.rank, e.step] += 1
             return  # counted: nothing reads them one by one
         self._by_kind = None
         if e.kind == "stats":
@@ -144,6 +169,37 @@ class RunLog:
                                             old.time, old.rank)  # fmt: skip
             self._latest_stats[e.rank] = len(self.events)
         self.events.append(e)
+
+    def _supersede(self, rank: int, step: int) -> None:
+        """A resume of ``rank`` at ``step``: drop its earlier events of steps >= step."""
+        dropped = self.steps.drop_redone(rank, step)
+        self.counts["step"] -= dropped
+        n = 0
+        for key in [k for k in self._snapshots if k[0] == rank and k[1] >= step]:
+            n += self._snapshots.pop(key)
+        self.counts["snapshot"] -= n
+        dropped += n
+        redone = [i for i, e in enumerate(self.events)
+                  if e.rank == rank and e.step >= step and e.kind in _REDONE]  # fmt: skip
+        if redone:
+            gone = set(redone)
+            for i in redone:
+                self.counts[self.events[i].kind] -= 1
+            latest = self._latest_stats.get(rank)
+            if latest in gone:
+                del self._latest_stats[rank]
+            kept: list[Event] = []
+            for i, ev in enumerate(self.events):
+                if i in gone:
+                    continue
+                if ev.kind == "stats" and self._latest_stats.get(ev.rank) == i:
+                    self._latest_stats[ev.rank] = len(kept)
+                kept.append(ev)
+            self.events = kept
+            self._by_kind = None
+            dropped += len(redone)
+        self.rank_counts[rank] -= dropped
+        self.superseded += dropped
 
     @classmethod
     def from_events(cls, events: Iterable[Event], problems: list[str] | None = None) -> RunLog:
