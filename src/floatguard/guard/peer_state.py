@@ -38,6 +38,7 @@ __all__ = [
     "finished_text",
     "ranks_text",
     "resolve_gate",
+    "silence",
     "unwrap_gate",
 ]
 
@@ -146,6 +147,21 @@ def describe(rank: int, status: dict[str, Any] | None) -> str:
     return (
         f"rank {rank} is alive, last began guard step {status['step']} "
         f"{status.get('since', 0):g} s ago and is not in a guard collective"
+    )
+
+
+def silence(rank: int, status: dict[str, Any] | None, waited: float) -> str:
+    """How long a late peer has been silent, as its status answer shows it (None: it
+    did not answer), seen by a rank that has waited ``waited`` seconds for it."""
+    if status is None:
+        return (
+            f"rank {rank} has been silent for at least {waited:.1f} s and does not answer "
+            "(stopped, killed, or hung with the interpreter blocked)"
+        )
+    return (
+        f"rank {rank} is alive but has made no progress for {status.get('since', 0):g} s: "
+        f"it last began guard step {status['step']} and has not begun the next (a stuck "
+        "data loader or host thread?)"
     )
 
 

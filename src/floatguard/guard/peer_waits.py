@@ -50,6 +50,7 @@ from floatguard.guard.peer_state import (
     finished_text,
     ranks_text,
     resolve_gate,
+    silence,
     unwrap_gate,
 )
 
@@ -79,6 +80,8 @@ class PeerWaits:
         self.state = PeerState()
         self._lock = threading.RLock()
         self._inside = 0
+        self._region_at: float | None = None  # when this rank entered the step's region
+        self._region_asked = 0.0  # when the watchdog last asked about it
         self._raised = self._closed = self._stop_written = False
         self._wake = threading.Event()  # wakes the watchdog
         self._works: queue.SimpleQueue[tuple[Any, Wait]] = queue.SimpleQueue()
@@ -298,6 +301,39 @@ class PeerWaits:
             w.step,
         )
 
+    def check_region(self, now: float) -> None:
+        """The watchdog's liveness check of the region: this rank has run the step's
+        forward and backward for ``timeout_s`` (where it may wait in a collective the
+        guard does not own: DDP's buffer broadcast, FSDP's all-gathers, the model's
+        own), so it asks the peers where they are. A peer that does not answer
+        (stopped, killed, deadlocked) or has not begun this guard step (a stuck data
+        loader) stops every rank with PeerFailed naming it and how long it has been
+        silent; peers in the same step are computing too, and are asked again after
+        another ``timeout_s``. Free on a healthy step: nothing is sent before then."""
+        since, step = self._region_at, self.state.step
+        if since is None or self.timeout_s is None or self.failure is not None:
+            return
+        if now - self._region_asked < self.timeout_s:
+            return
+        self._region_asked = now
+        status = self.mail.ask()
+        late = [
+            r for r, s in status.items()
+            if s is None or (s.get("finishing") is None and int(s.get("step", -1)) < step)
+        ]  # fmt: skip
+        if not late or self._region_at is None:  # all in this step, or the region ended
+            return
+        waited = time.monotonic() - since
+        said = "; ".join(silence(r, status[r], waited) for r in late)
+        self._fail(
+            PeerFailed,
+            f"rank {self.rank} stops: {said}, while rank {self.rank} has run the forward "
+            f"and backward of guard step {step} for {waited:.1f} s (a collective there "
+            "waits for it). Guard(peer_timeout_s=...) sets this limit",
+            tuple(late),
+            step,
+        )
+
     def stopped(self, step: int, error: BaseException) -> None:
         """The guard stops with ``error`` at ``step``: this rank's failure (if the error
         did not come through :meth:`fail`), the ``stop`` event once, the peers told."""
@@ -332,6 +368,8 @@ class PeerWaits:
         failure; the watchdog may end the process in a collective it cannot end."""
         self.raise_if_failed()
         self._inside += 1
+        if self._inside == 1:
+            self._region_at = self._region_asked = time.monotonic()
         try:
             yield
         except DistributedStop:
@@ -343,6 +381,8 @@ class PeerWaits:
             raise err from e
         finally:
             self._inside -= 1
+            if not self._inside:
+                self._region_at = None
 
     def _explain(self, e: BaseException) -> DistributedStop | None:
         """This rank's failure behind an error out of a forward or backward, if any."""

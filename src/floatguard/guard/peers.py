@@ -172,6 +172,7 @@ class Peers(PeerWaits):
                     self._lost(w, w.error)
                 elif self.timeout_s is not None and now - w.start > self.timeout_s:
                     self._timed_out(w)
+            self.check_region(now)
 
     # ------------------------------------------------------------- the end
     def _at_exit(self) -> None:

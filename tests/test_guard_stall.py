@@ -1,0 +1,118 @@
+"""A rank that stops making progress without failing (SIGSTOP, a stuck data loader) ends
+every other rank with PeerFailed naming it and how long it has been silent, within the
+configured ``peer_timeout_s``, with a ``stop`` event in each surviving rank's log; on 2
+gloo ranks (CPU, loopback), every run bounded by a hard timeout (``run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from floatguard import PeerFailed
+from floatguard.events import read_events
+from floatguard.guard import Guard
+
+from ._ranks import run_ranks
+
+AT = 3  # the guard step before which rank 1 stalls
+LIMIT_S = 2.0  # peer_timeout_s
+GRACE_S = 1.0  # peer_grace_s: a rank blocked in DDP's broadcast is ended this long after
+
+
+class Net(nn.Module):
+    """With a buffer, so DDP broadcasts buffers at every forward (a collective the guard
+    does not own: the surviving rank waits there, in the step's region)."""
+
+    def __init__(self, buffers: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16) if buffers else nn.Identity()
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def _stop_logged(log: Path) -> bool:
+    return log.exists() and any(e.kind == "stop" for e in read_events(log))
+
+
+def _worker(rank: int, world: int, out: str, case: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ddp = case != "sigstop-allreduce"
+    net = Net(buffers=ddp)
+    model: nn.Module = nn.parallel.DistributedDataParallel(net) if ddp else net
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    logs = [Path(out, f"run-rank{r}.jsonl") for r in range(world)]
+    guard = Guard(model, opt, log=str(logs[rank]), peer_timeout_s=LIMIT_S, peer_grace_s=GRACE_S)
+    g = torch.Generator().manual_seed(10 + rank)
+    try:
+        for i in range(6):
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+            if rank == 1 and i == AT:
+                Path(out, "stalled").write_text(repr(time.time()))
+                if case.startswith("sigstop"):
+                    # killed once rank 0 logged its stop (bounded: 40 s at most)
+                    killer = (
+                        f"for i in $(seq 400); do grep -q '\"stop\"' {logs[0]} && break; "
+                        f"sleep 0.1; done; kill -9 {os.getpid()}"
+                    )
+                    subprocess.Popen(["sh", "-c", killer], start_new_session=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:  # a stuck data loader: alive, answering, not stepping
+                    while not _stop_logged(logs[0]):
+                        time.sleep(0.05)
+            guard.step(lambda x=x, y=y: ((model(x) - y) ** 2).mean())
+        guard.finish()
+    except PeerFailed as e:
+        return {"outcome": (type(e).__name__, str(e), e.ranks, e.step)}
+    guard.close()
+    return {"outcome": None}
+
+
+# case: (rank 0's exit: "raises" PeerFailed, or "ended" by the watchdog in DDP's
+# broadcast, exit code 1), the words of rank 0's stop message
+CASES = {
+    "sigstop-ddp": ("ended", ["rank 0 stops: rank 1 has been silent for at least",
+                              "and does not answer", "forward and backward of guard step 3"]),
+    "stuck-loader-ddp": ("ended", ["rank 0 stops: rank 1 is alive but has made no progress "
+                                   "for", "it last began guard step 2"]),
+    "sigstop-allreduce": ("raises", ["rank 0 stops: no answer within 2 s in the guard's step "
+                                     "read of guard step 3", "rank 1 does not answer"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_stalled_rank_ends_the_others_within_the_limit(tmp_path: Path, case: str) -> None:
+    res = run_ranks(_worker, 2, tmp_path, case, timeout=90)
+    out = next(tmp_path.glob("ranks-*"))
+    how, words = CASES[case]
+    stops = [e for e in read_events(out / "run-rank0.jsonl") if e.kind == "stop"]
+    assert len(stops) == 1, stops
+    stop = stops[0]
+    assert (stop.step, stop["reason"]) == (AT, "peer_failed")
+    for w in words:
+        assert w in stop["fault"], (w, stop["fault"])
+    if how == "raises":
+        name, msg, ranks, step = res[0]["outcome"]
+        assert (name, ranks, step, msg) == ("PeerFailed", (1,), AT, stop["fault"])
+    else:  # blocked in DDP's buffer broadcast, which no one can end: the process ends
+        assert res[0].get("exitcode") == 1, res[0]
+        assert "floatguard: rank 0 ends: rank 1" in res[0]["stderr"]
+    # within the limit: the silence noticed after LIMIT_S, the peers asked (2 s), the
+    # grace; a bound with slack for a loaded machine, far below gloo's 30 minutes
+    stalled = float((out / "stalled").read_text())
+    assert LIMIT_S <= stop.time - stalled < LIMIT_S + 2.0 + GRACE_S + 15.0
+    if case.startswith("sigstop"):
+        assert res[1].get("exitcode") == -signal.SIGKILL, res[1]
+    else:  # the loader came back: rank 1 stops with rank 0's error
+        name, msg, ranks, step = res[1]["outcome"]
+        assert name == "PeerFailed" and "rank 1 stops: rank 0 stopped at guard step 3" in msg
