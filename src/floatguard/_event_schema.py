@@ -41,7 +41,7 @@ FIELD_TYPES: dict[str, dict[str, str]] = {
     "snapshot": {"where": "str?"},
     "snapshot_error": {"where": "str?", "error": "str?", "policy": "str?"},
     "snapshot_fallback": {"bad": "str?", "error": "str?", "used": "str?"},
-    "resume": {"from_step": "int?", "path": "str?"},
+    "resume": {"from_step": "int?", "path": "str?", "newest_step": "int?", "ranks_behind": "list?"},
     "warning": {"transients": "int?", "message": "str?"},
     "stats": {"tensors": "list?"},
     "stop": {"reason": "str?", "fault": "str?"},

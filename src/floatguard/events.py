@@ -63,7 +63,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "snapshot": ("where",),
         "snapshot_error": ("where", "error", "policy"),
         "snapshot_fallback": ("bad", "error", "used"),
-        "resume": ("from_step", "path"),
+        "resume": ("from_step", "path", "newest_step", "ranks_behind"),
         "warning": ("transients", "message"),
         "stats": ("tensors",),
         "stop": ("reason", "fault"),

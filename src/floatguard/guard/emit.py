@@ -149,8 +149,12 @@ class GuardEvents:
     def snapshot_fallback(self, step: int, bad: str, error: str, used: str) -> None:
         self.log.emit("snapshot_fallback", step, bad=bad, error=error, used=used)
 
-    def resume(self, step: int, path: str) -> None:
-        self.log.emit("resume", step, from_step=step, path=path)
+    def resume(
+        self, step: int, path: str, newest: int | None = None, behind: list[int] | None = None
+    ) -> None:
+        self.log.emit(
+            "resume", step, from_step=step, path=path, newest_step=newest, ranks_behind=behind
+        )
 
     def warning(self, step: int, message: str, transients: int) -> None:
         self.log.emit("warning", step, transients=transients, message=message)

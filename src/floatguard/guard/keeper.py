@@ -243,6 +243,21 @@ class SnapshotKeeper:
         anything is loaded. In a folder, a newer file that fails to verify, is misnamed
         or is another run's is passed over for the one before (an event each); a file
         named is refused for those (another run's: unless ``foreign``)."""
+        target, expected = self.open_target(path)
+        if target.is_dir():
+            store = SnapshotStore(target, self.policy.snapshot_keep, run_id=expected)
+            snap, used, bad = store.load_latest(map_location=device, foreign=foreign)
+        else:
+            snap = self.load_file(target, device, expected, foreign=foreign)
+            used, bad = target, []
+        self.passed_over(snap.step, bad, used)
+        self.check_fit(snap, used, objects)
+        return snap, used
+
+    def open_target(self, path: str | os.PathLike[str] | None) -> tuple[Path, str | None]:
+        """What a resume reads (``path``: a file or a folder; default the policy's
+        ``snapshot_dir``) and the run it continues; the snapshot folder's lock is taken
+        first (SnapshotFolderBusy while another guard writes there)."""
         target = Path(path) if path is not None else self.home
         if target is None:
             raise ValueError(
@@ -250,21 +265,40 @@ class SnapshotKeeper:
             )
         if self.home is not None and self.home.is_dir():
             self._claim()  # before reading: no other guard writes there meanwhile
-        expected = self._expected_run(target)
-        if target.is_dir():
-            store = SnapshotStore(target, self.policy.snapshot_keep, run_id=expected)
-            snap, used, bad = store.load_latest(map_location=device, foreign=foreign)
-        else:
-            try:
-                snap = load_snapshot(target, device, run_id=None if foreign else expected)
-            except ForeignSnapshotError as e:
-                raise ForeignSnapshotError(
-                    f"{e}; nothing was loaded. resume(path=..., foreign=True) takes "
-                    "another run's snapshot on purpose"
-                ) from None
-            used, bad = target, []
+        return target, self._expected_run(target)
+
+    def verified_steps(
+        self, folder: Path, expected: str | None, *, foreign: bool = False
+    ) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+        """The snapshots in ``folder`` that verify (:meth:`SnapshotStore.verify_all`:
+        nothing unpickled), [(step, path)], and the others, [(path, why)], newest first."""
+        store = SnapshotStore(folder, self.policy.snapshot_keep, run_id=expected)
+        return store.verify_all(foreign=foreign)
+
+    def load_file(
+        self, target: Path, device: torch.device, expected: str | None, *, foreign: bool = False
+    ) -> Snapshot:
+        """The snapshot in the file ``target``, verified as run ``expected``'s (any run's
+        with ``foreign``); SnapshotError (ForeignSnapshotError: saying how to take it on
+        purpose) otherwise."""
+        try:
+            return load_snapshot(target, device, run_id=None if foreign else expected)
+        except ForeignSnapshotError as e:
+            raise ForeignSnapshotError(
+                f"{e}; nothing was loaded. resume(path=..., foreign=True) takes "
+                "another run's snapshot on purpose"
+            ) from None
+
+    def passed_over(self, step: int, bad: list[tuple[Path, str]], used: Path) -> None:
+        """A ``snapshot_fallback`` event for each newer file a resume from ``used``
+        (of step ``step``) passed over, saying why."""
         for p, why in bad:
-            self.events.snapshot_fallback(snap.step, str(p), why, str(used))
+            self.events.snapshot_fallback(step, str(p), why, str(used))
+
+    @staticmethod
+    def check_fit(snap: Snapshot, used: Path, objects: dict[str, Any]) -> None:
+        """SnapshotError unless ``snap`` (read from ``used``) holds a state for every one
+        of ``objects`` and its tensors fit theirs (names, shapes, dtypes)."""
         missing = sorted(set(objects) - set(snap.states))
         if missing:
             raise SnapshotError(
@@ -277,7 +311,6 @@ class SnapshotKeeper:
                 f"{used} does not fit: {misfit}; nothing was loaded (a snapshot of another "
                 "model or optimizer setup)"
             )
-        return snap, used
 
     def _expected_run(self, target: Path) -> str | None:
         """The run a resume continues: the snapshot folder's, else the one the files

@@ -10,10 +10,12 @@ import torch
 
 from floatguard.causes import CAUSES, Cause
 from floatguard.guard import policy
+from floatguard.guard.resume_agree import agreed_load
 from floatguard.guard.types import StepResult
 from floatguard.stability.step_state import set_rng_state
 
 if TYPE_CHECKING:
+    from floatguard.guard.channel import ReadChannel
     from floatguard.guard.emit import GuardEvents
     from floatguard.guard.judge import Judge
     from floatguard.guard.keeper import SnapshotKeeper
@@ -47,6 +49,7 @@ class GuardPersistence:
     _emit: GuardEvents
     _state: StepState
     _runner: StepRunner
+    _channel: ReadChannel
 
     zclip: Any
     loss_detector: Any
@@ -118,20 +121,37 @@ class GuardPersistence:
         with model and optimizer untouched. The snapshot folder's lock is taken first:
         SnapshotFolderBusy while another guard writes there.
 
+        Under torch.distributed (every rank calls it) the ranks resume from the same
+        step: the newest one every rank has a good snapshot of, each from its own file
+        (:mod:`floatguard.guard.resume_agree`); when there is none, or a rank cannot
+        load its file, every rank raises SnapshotError naming each rank's steps or the
+        rank that failed, with nothing loaded anywhere.
+
         Model, optimizer, scaler, scheduler, clipper, detectors, the guard's counters
         and the torch RNG (as at the start of that step) are restored; a ``resume``
-        event marks where the event stream picks up. Feed the data from the returned
-        step on.
+        event marks where the event stream picks up (with this rank's newest step and
+        the ranks behind, when the step agreed is older). Feed the data from the
+        returned step on.
         """
-        snap, used = self._keeper.load(path, self._device, self._stateful(), foreign=foreign)
-        snap.restore(self._stateful())
+        objects, peers = self._stateful(), self._channel.peers
+        newest: int | None = None
+        behind: list[int] | None = None
+        if peers is None:
+            snap, used = self._keeper.load(path, self._device, objects, foreign=foreign)
+        else:
+            snap, used, agreed = agreed_load(
+                self._keeper, peers, path, self._device, objects, foreign=foreign
+            )
+            newest = agreed.newest if agreed.newest != agreed.step else None
+            behind = list(agreed.behind) or None
+        snap.restore(objects)
         self._load_counters(snap.meta)
         self.step_count = snap.step
         self._keeper.adopt(snap, used)
         self._snapshot_pending = False  # the snapshot resumed from is the one to keep
         self._previous_applied = False
         self._state.save()
-        self._emit.resume(snap.step, str(used))
+        self._emit.resume(snap.step, str(used), newest, behind)
         return snap.step
 
     def _load_counters(self, meta: dict[str, Any]) -> None:

@@ -220,10 +220,15 @@ def desync_error(
         ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
         named = tuple(r for _, rs in ordered[1:] for r in rs)
         where = ", ".join(f"{_ranks_text(rs)} at guard step {s}" for s, rs in ordered)
+        spread = max(groups) - min(groups)
+        # Skipped or added guard.step() calls do not show here (the steps pair off, or
+        # finish() or DDP's hook names them): the counters started apart.
         return GuardDesync(
             f"rank {rank} stops at guard step {step}: the ranks are not on the same guard "
-            f"step ({where}): a rank resumed from another checkpoint, or skipped or added a "
-            "guard.step() call. Every rank must call guard.step() once per training step",
+            f"step ({where}): their step counters are {spread} apart, so they started from "
+            "different steps (a rank restored another checkpoint through "
+            "Guard.load_state_dict, or its step_count was set apart; guard.resume() agrees "
+            "on a step every rank has a snapshot of). Give every rank the state of one step",
             ranks=named,
             step=step,
         )

@@ -418,3 +418,28 @@ class SnapshotStore:
                 bad.append((p, str(e)))
         why = "; ".join(f"{p.name}: {e}" for p, e in bad) or "the folder holds none"
         raise SnapshotError(f"no good snapshot in {self.folder} ({why})")
+
+    def verify_all(
+        self, *, foreign: bool = False
+    ) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+        """([(step, path)] of the files that pass what :func:`load_snapshot` checks
+        before unpickling: header, length, SHA-256, the name's step and the run (any
+        run's with ``foreign=True``), [(path, why)] of the others), newest first. Each
+        file is read whole, one at a time; nothing is unpickled (a format 1 file's
+        step is its name's, checked against its payload when it is loaded)."""
+        good: list[tuple[int, Path]] = []
+        bad: list[tuple[Path, str]] = []
+        expected = None if foreign else self.run_id
+        for p in self.paths():
+            try:
+                step, run, _ = verified(p, p.read_bytes())
+                if step is not None:
+                    check_name(p, step)
+                check_run(p, run, expected)
+            except (SnapshotError, OSError) as e:
+                bad.append((p, str(e)))
+                continue
+            named = step_of(p.name)
+            assert named is not None  # paths() lists named files only
+            good.append((named, p))
+        return good, bad
