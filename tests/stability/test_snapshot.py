@@ -96,3 +96,72 @@ def test_load_errors(tmp_path: Path) -> None:
     snap = Snapshot(0, {"model": {}})
     with pytest.raises(KeyError, match="no state for"):
         snap.restore({"optimizer": torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)})
+
+
+def _same_state(a: object, b: object) -> bool:
+    """Equal nested states: tensors bit-equal (NaN equal), plain values equal."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )  # fmt: skip
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list | tuple):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(  # type: ignore[arg-type]
+                _same_state(x, y)
+                for x, y in zip(a, b, strict=True)  # type: ignore[call-overload]
+            )
+        )
+    return a == b
+
+
+def test_a_reused_snapshot_is_a_fresh_one() -> None:
+    """Capturing into an earlier snapshot's memory gives what a fresh capture gives, with
+    the tensors copied in place; a changed learning rate, a new state entry, a reshaped
+    buffer or a changed tuple make it right too (a fresh copy where the memory cannot
+    serve)."""
+    model, opt, scaler, z = _setup()
+    objs = {"model": model, "optimizer": opt, "scaler": scaler, "zclip": z}
+    _train(model, opt, z, 2)
+    first = Snapshot.capture(1, objs)  # type: ignore[arg-type]
+    memory = [t.data_ptr() for t in first.states["model"].values()]
+
+    def check(step: int, in_place: bool) -> None:
+        nonlocal first
+        reused = Snapshot.capture(step, objs, reuse=first)  # type: ignore[arg-type]
+        fresh = Snapshot.capture(step, objs)  # type: ignore[arg-type]
+        assert _same_state(reused.states, fresh.states)
+        assert (reused is first) == in_place
+        if in_place:
+            assert [t.data_ptr() for t in reused.states["model"].values()] == memory
+        # the copy is a copy: training on leaves it as it was
+        saved = Snapshot.capture(step, objs)  # type: ignore[arg-type]
+        _train(model, opt, z, 1)
+        assert _same_state(reused.states, saved.states)
+        first = reused
+
+    check(2, in_place=True)
+    opt.param_groups[0]["lr"] = 3e-3  # a plain value changes: copied into the snapshot
+    check(3, in_place=True)
+    assert first.states["optimizer"]["param_groups"][0]["lr"] == 3e-3
+    scaler.update(torch.tensor(True))  # the scaler's state (plain) changes
+    check(4, in_place=True)
+    opt.param_groups[0]["betas"] = (0.8, 0.99)  # a tuple changes: a fresh snapshot
+    check(5, in_place=False)
+    memory = [t.data_ptr() for t in first.states["model"].values()]
+    model.register_buffer("seen", torch.zeros(3))  # a new entry: a fresh snapshot
+    check(6, in_place=False)
+    memory = [t.data_ptr() for t in first.states["model"].values()]
+    model.seen = torch.zeros(1)  # a reshaped buffer (it would broadcast): a fresh snapshot
+    check(7, in_place=False)
+    memory = [t.data_ptr() for t in first.states["model"].values()]
+    model.seen = torch.zeros(1, dtype=torch.float64)  # another dtype: a fresh snapshot
+    check(8, in_place=False)
+    memory = [t.data_ptr() for t in first.states["model"].values()]
+    check(9, in_place=True)

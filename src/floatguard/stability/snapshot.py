@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from floatguard.stability._process import writer_gone, writer_tag
 from floatguard.stability._snapshot_file import (
@@ -107,13 +107,90 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _copy_into(
-    old: dict[str, Any], new: dict[str, Any], plain: set[str], flat: dict[str, Any]
-) -> bool:
+_ATOMS = (int, float, str, bool, type(None))
+
+
+def _copy_plain(v: Any) -> Any:
+    """A deep copy of a state made of dicts, lists and tuples of plain values (a
+    detector's window, a scaler's counters), without :func:`copy.deepcopy`'s memo;
+    anything else through it."""
+    if type(v) in _ATOMS:
+        return v
+    if type(v) is list:
+        return [_copy_plain(x) for x in v]
+    if type(v) is dict:
+        return {k: _copy_plain(x) for k, x in v.items()}
+    if type(v) is tuple:
+        return tuple(_copy_plain(x) for x in v)
+    return copy.deepcopy(v)
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    """Two non-tensor leaves are the same value (NaN counts as changed: copied again)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # an object without a plain truth value: copy it
+        return False
+
+
+_NESTED = (torch.Tensor, dict, list, tuple)
+
+
+def _pair_up(old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
+    """Walk ``old`` (this snapshot's copy) and ``new`` (a live state) together: their
+    tensors paired into ``dst``/``src``, a changed plain value (a learning rate) copied
+    into ``old`` in place; False when the structure, a shape or a dtype differs (or a
+    tensor is a subclass: a fresh snapshot deep-copies it)."""
+    tensor = torch.Tensor
+    if type(new) is tensor:
+        if type(old) is not tensor or old.dtype != new.dtype or old.shape != new.shape:
+            return False
+        dst.append(old)
+        src.append(new)
+        return True
+    if isinstance(new, dict):  # a module's state_dict is an OrderedDict
+        if type(old) is not type(new) or old.keys() != new.keys():
+            return False
+        for k, v in new.items():
+            if isinstance(v, _NESTED):
+                if not _pair_up(old[k], v, dst, src):
+                    return False
+            elif not _same_plain(old[k], v):
+                old[k] = _copy_plain(v)
+        return True
+    if type(new) is list:
+        if type(old) is not list or len(old) != len(new):
+            return False
+        for i, v in enumerate(new):
+            if isinstance(v, _NESTED):
+                if not _pair_up(old[i], v, dst, src):
+                    return False
+            elif not _same_plain(old[i], v):
+                old[i] = _copy_plain(v)
+        return True
+    if type(new) is tuple:  # immutable: its plain values must be the same
+        if type(old) is not tuple or len(old) != len(new):
+            return False
+        for o, v in zip(old, new, strict=True):
+            if isinstance(v, _NESTED):
+                if not _pair_up(o, v, dst, src):
+                    return False
+            elif not _same_plain(o, v):
+                return False
+        return True
+    return False  # a tensor subclass or another container: a fresh snapshot copies it
+
+
+def _copy_into(old: dict[str, Any], new: dict[str, Any], plain: set[str]) -> bool:
     """Copy each object's new state into the old state's tensors when the structure,
-    shapes and dtypes match; True when done for every object. The states named in
-    ``plain`` held no tensor (scalers, detectors): they are replaced by copies.
-    ``flat`` caches the old nested states' (leaves, spec), kept up to date here."""
+    shapes and dtypes match (one ``torch._foreach_copy_``); True when
+    done for every object (on False the old state may be half updated: the caller
+    makes a fresh snapshot). The states named in ``plain`` held no tensor (scalers,
+    detectors): they are replaced by copies."""
     if old.keys() != new.keys():
         return False
     dst: list[torch.Tensor] = []
@@ -121,43 +198,9 @@ def _copy_into(
     rebuilt: dict[str, Any] = {}
     for name, state in new.items():
         if name in plain:
-            rebuilt[name] = copy.deepcopy(state)
-            continue
-        names_to_tensors = _flat_tensors(state)
-        if names_to_tensors is not None:  # a model's state_dict
-            before = old[name]
-            if not isinstance(before, dict) or before.keys() != state.keys():
-                return False
-            pairs = [(before[k], v) for k, v in state.items()]
-        else:
-            if name not in flat:
-                flat[name] = tree_flatten(old[name])
-            old_leaves, old_spec = flat[name]
-            new_leaves, new_spec = tree_flatten(state)
-            if old_spec != new_spec:
-                return False
-            pairs = []
-            others_same = True
-            for a, b in zip(old_leaves, new_leaves, strict=True):
-                if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                    pairs.append((a, b))
-                elif others_same and a != b:
-                    others_same = False
-            if not others_same:  # a learning rate changed, say: new plain leaves
-                leaves = [
-                    a if isinstance(a, torch.Tensor) else copy.deepcopy(b)
-                    for a, b in zip(old_leaves, new_leaves, strict=True)
-                ]
-                rebuilt[name] = tree_unflatten(leaves, old_spec)
-                flat[name] = (leaves, old_spec)
-        for a, b in pairs:
-            if not (
-                type(a) is torch.Tensor and type(b) is torch.Tensor
-                and a.shape == b.shape and a.dtype == b.dtype
-            ):  # fmt: skip
-                return False
-            dst.append(a)
-            src.append(b)
+            rebuilt[name] = _copy_plain(state)
+        elif not _pair_up(old[name], state, dst, src):
+            return False
     try:
         with torch.no_grad():
             if dst:
@@ -167,13 +210,6 @@ def _copy_into(
         return False
     old.update(rebuilt)
     return True
-
-
-def _flat_tensors(state: Any) -> dict[str, torch.Tensor] | None:
-    """``state`` when it maps names to tensors only (a module's state_dict), else None."""
-    if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
-        return state
-    return None
 
 
 @dataclass
@@ -188,7 +224,6 @@ class Snapshot:
     run_id: str | None = None
     # names of states that held no tensor when captured (copied whole when reused)
     plain: set[str] = field(default_factory=set, repr=False, compare=False)
-    _flat: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def capture(
@@ -209,7 +244,7 @@ class Snapshot:
         """
         states = {name: obj.state_dict() for name, obj in objects.items()}
         meta_d = dict(meta or {})
-        if reuse is not None and _copy_into(reuse.states, states, reuse.plain, reuse._flat):
+        if reuse is not None and _copy_into(reuse.states, states, reuse.plain):
             reuse.step, reuse.rng, reuse.meta = step, (_rng_state() if rng else None), meta_d
             return reuse
         # States that hold nothing but small Python values (a scaler's, a detector's) are
