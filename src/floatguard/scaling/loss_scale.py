@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from floatguard._foreach import local_groups
 from floatguard._values import grad_to_modify, values_of
 
 __all__ = ["DynamicLossScaler"]
@@ -98,7 +99,9 @@ class DynamicLossScaler:
 
         Uses torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` where the
         gradients allow it; a per-gradient non-finite flag is kept for
-        :attr:`last_overflow`. No host sync.
+        :attr:`last_overflow`. DTensor gradients are unscaled through their local parts
+        (the flag is this rank's; the guard's read sums it over the ranks), one fused
+        call per device. No host sync.
         """
         if self._unscaled:
             raise RuntimeError("unscale_() was already called since the last update()")
@@ -110,9 +113,13 @@ class DynamicLossScaler:
         grads = [grad_to_modify(p) for p in self._params]
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            inv = torch.full((), 1.0 / self.get_scale(), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        for (group,) in local_groups(grads):
+            dev = group[0].device
+            inv = torch.full((), 1.0 / self.get_scale(), dtype=torch.float32, device=dev)
+            here = found if dev == device else torch.zeros_like(inv)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, here, inv)
+            if here is not found:
+                found = torch.maximum(found, here.to(device))
         self._found_inf = found
         self._unscaled = True
         return found

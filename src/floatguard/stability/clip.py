@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from floatguard._foreach import local_groups, mesh_groups, reduce_partial_grads
 from floatguard._values import grad_to_modify, stored_values
 
 if TYPE_CHECKING:
@@ -37,13 +38,36 @@ def _grads(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tens
     return [grad_to_modify(p) for p in params if p.grad is not None]
 
 
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor | float) -> None:
+    """Multiply every gradient by ``coef`` in place (a DTensor through its local part:
+    a scale is the same op on every rank's piece, even a Partial addend)."""
+    for (group,) in local_groups(grads):
+        c = coef.to(group[0].device) if isinstance(coef, torch.Tensor) else coef
+        torch._foreach_mul_(group, c)
+
+
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients together, on device (float32 or the grads' dtype)."""
+    """The norm of all gradients together, on device (float32 or the grads' dtype).
+
+    DTensor gradients are measured as DTensors, per mesh (``full_tensor()`` of their
+    norm: a collective over that mesh, as ``torch.nn.utils.clip_grad_norm_`` runs one;
+    Replicate counted once, Shard pieces added), plain ones as they are, then the parts
+    together: a model mixing both (a TP model's plain head), which torch's
+    ``get_total_norm`` refuses, gets the global norm on every rank. (The guard measures
+    its step's norm with no collective of its own: :mod:`floatguard.guard.grad_norm`.)
+    """
     if not grads:
         return torch.zeros(())
-    # A sparse gradient counts by its coalesced values (the dense tensor's nonzeros).
-    norms = torch._foreach_norm([stored_values(g) for g in grads], norm_type)
-    out: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    parts: list[torch.Tensor] = []
+    for mesh, group in mesh_groups(grads):
+        # A sparse gradient counts by its coalesced values (the dense tensor's nonzeros).
+        norms = torch._foreach_norm([stored_values(g) for g in group], norm_type)
+        part = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+        parts.append(part if mesh is None else part.full_tensor())
+    if len(parts) == 1:
+        return parts[0]
+    dev = parts[0].device
+    out: torch.Tensor = torch.linalg.vector_norm(torch.stack([p.to(dev) for p in parts]), norm_type)
     return out
 
 
@@ -85,20 +109,27 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     coef = torch.where(finite, coef, torch.ones_like(coef))
     if nonfinite == "zero":
-        for g in grads:
-            g.masked_fill_(~finite, 0.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].device))
+        for (group,) in local_groups(grads):
+            for g in group:
+                g.masked_fill_(~finite.to(g.device), 0.0)
+    _scale_(grads, coef)
     return norm
 
 
 def clip_grad_value_(parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
-    """Clamp every gradient element to ``[-clip_value, clip_value]`` (NaN stays NaN)."""
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` (NaN stays NaN).
+
+    A DTensor gradient is clamped through its local part (the element-wise op on every
+    rank's piece); one with a Partial placement (its ranks hold addends, which a clamp
+    of each would not bound) is made Replicate first, a collective for such gradients
+    only (:func:`~floatguard._foreach.reduce_partial_grads`)."""
     if not isinstance(clip_value, (int, float)) or not clip_value > 0:
         raise ValueError(f"clip_value={clip_value!r} must be a positive number")
-    grads = _grads(parameters)
-    if grads:
-        torch._foreach_clamp_min_(grads, -float(clip_value))
-        torch._foreach_clamp_max_(grads, float(clip_value))
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    reduce_partial_grads(params)
+    for (group,) in local_groups(_grads(params)):
+        torch._foreach_clamp_min_(group, -float(clip_value))
+        torch._foreach_clamp_max_(group, float(clip_value))
 
 
 @dataclass(frozen=True)
@@ -357,9 +388,9 @@ class ZClip:
         arg: Any = float(norm) if self.on_host else norm
         clip_value, clipped, coef = self.compute(arg)
         if self.on_host:
-            torch._foreach_mul_(grads, float(coef))
+            _scale_(grads, float(coef))
         else:
-            torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=torch.float32))
+            _scale_(grads, coef.to(dtype=torch.float32))
         self.update(arg, clip_value, clipped)
         return norm
 
@@ -426,7 +457,7 @@ class WindowedZClip:
             return norm
         thr = self.threshold()
         if thr is not None and norm > thr:
-            torch._foreach_mul_(grads, thr / (norm + 1e-12))
+            _scale_(grads, thr / (norm + 1e-12))
             self.history.append(thr)
         else:
             self.history.append(norm)
@@ -471,11 +502,12 @@ class Clipper:
         return 1.0, None
 
     def apply(self, params: list[torch.Tensor], grads: list[torch.Tensor], coef: float) -> None:
-        """Clip the gradients in place (no sync)."""
+        """Clip the gradients in place (no sync; DTensor gradients through their local
+        parts, see :func:`clip_grad_value_`)."""
         if self.policy.kind == "value":
             clip_grad_value_(params, self.policy.max_value)
         elif grads and coef != 1.0:
-            torch._foreach_mul_(grads, coef)
+            _scale_(grads, coef)
 
     def update(self, grad_norm: float, zstate: tuple[float, bool] | None) -> None:
         """Fold an applied step's norm into ZClip's statistics."""

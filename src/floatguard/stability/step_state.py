@@ -5,7 +5,8 @@ same dropout masks, the same BatchNorm statistics) and so that a step that is no
 applied leaves no trace (BatchNorm's running statistics do not learn the NaN batch).
 
 Every buffer is copied, with one ``torch._foreach_copy_`` into storage kept from one
-step to the next (no allocation after the first step). Version counters cannot tell
+step to the next (no allocation after the first step; a DTensor buffer through its
+local part, one copy per device). Version counters cannot tell
 which buffers a step changed: BatchNorm's kernel updates its running statistics
 without bumping them. The cost is one copy of the buffers per step (BatchNorm
 statistics, masks and rotary tables are small next to the step). No host sync.
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from floatguard._foreach import local_groups
 
 __all__ = ["StepState", "cuda_devices", "rng_state", "set_rng_state"]
 
@@ -58,7 +61,8 @@ class StepState:
             self._names, self._copies = names, [b.clone() for b in bufs]
         elif bufs:
             with torch.no_grad():
-                torch._foreach_copy_(self._copies, bufs)
+                for copies, sources in local_groups(self._copies, bufs):
+                    torch._foreach_copy_(copies, sources)
 
     def restore_buffers(self) -> None:
         """Write the saved buffers back (a buffer replaced since is left alone)."""
@@ -71,7 +75,8 @@ class StepState:
         ]
         if pairs:
             with torch.no_grad():
-                torch._foreach_copy_([b for b, _ in pairs], [c for _, c in pairs])
+                for bufs, copies in local_groups([b for b, _ in pairs], [c for _, c in pairs]):
+                    torch._foreach_copy_(bufs, copies)
 
     def restore_rng(self) -> None:
         set_rng_state(self.rng)
