@@ -3,7 +3,9 @@
 Three ways, one interface (:class:`ReadChannel`):
 
 - *local* (no torch.distributed): the read is this process's;
-- *all-reduced*: one SUM all-reduce of :func:`floatguard.guard.step_check.pack`'s layout;
+- *all-reduced*: one SUM all-reduce of :func:`floatguard.guard.step_check.pack`'s layout,
+  the squared gradient norm weighed by DTensor placement
+  (:class:`~floatguard.guard.grad_norm.PlacementNorm`: every element counted once);
 - *carried*: under DDP, on DDP's own gradient all-reduce (a comm hook on the last
   bucket, :class:`~floatguard.guard.ddp_hook.DDPReadHook`), no extra collective.
 
@@ -28,8 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from floatguard._foreach import reduce_partial_grads
 from floatguard.distributed import config_fingerprint
 from floatguard.guard.ddp_hook import DDPReadHook
+from floatguard.guard.grad_norm import PlacementNorm
 from floatguard.guard.peers import Peers
 from floatguard.guard.step_check import HEAD, desync_error, encode, leaves, pack, unpack
 from floatguard.monitor.localize import Fault
@@ -87,6 +91,7 @@ class ReadChannel:
         self.configuration = configuration
         self.fingerprint = config_fingerprint(configuration)
         self.ddp_hook = self._register_ddp_hook(process_group)
+        self._norms = PlacementNorm(peers.world if peers is not None else 1)
         self.finished = False
 
     @property
@@ -151,6 +156,14 @@ class ReadChannel:
 
         return arm
 
+    def reduce_partial(self, params: list[torch.Tensor]) -> None:
+        """Under torch.distributed: the DTensor gradients with a Partial placement made
+        Replicate before the step's read (:func:`~floatguard._foreach.reduce_partial_grads`:
+        a collective only where such gradients exist; plain ones cost a type check)."""
+        if self.peers is not None:
+            with self.region():
+                reduce_partial_grads(params)
+
     def head(
         self,
         step: int,
@@ -185,14 +198,12 @@ class ReadChannel:
                     return Agreed(found, norm, c.loss / peers.world, c.bad_ranks)
 
                 return Head(carried, decode_carried)
-        sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]  # FSDP2 shards
-        replicated = [g for g in grads if not hasattr(g, "to_local")]
-        zero = torch.zeros((), device=dev, dtype=torch.float64)
-        sq_sh = total_norm(sharded).to(dev).double() ** 2 if sharded else zero
-        n_rep = total_norm(replicated).to(dev).double() if replicated else zero
-        local_bad = ~torch.isfinite(loss) | ~torch.isfinite(n_rep) | ~torch.isfinite(sq_sh)
+        # By placement (guard.grad_norm): the part every element of which one rank holds
+        # adds up over the ranks, the replicas' part is averaged.
+        summed, averaged = self._norms.parts(grads, dev)
+        local_bad = ~torch.isfinite(loss) | ~torch.isfinite(averaged) | ~torch.isfinite(summed)
         mine = encode(step, self.fingerprint, peers.world, 53)
-        packed = pack(found, sq_sh, n_rep**2, loss, local_bad, peers.rank, mine)
+        packed = pack(found, summed, averaged, loss, local_bad, peers.rank, mine)
         reduced = peers.all_reduce_sum(packed, "the guard's step read")
         assert reduced.numel() == HEAD + len(mine)
         return Head(reduced, lambda values: self._agreed(values, step, mine))

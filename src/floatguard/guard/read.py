@@ -70,7 +70,8 @@ class StepReader:
         host read), decode. ``loss``: the step's mean loss (device scalar). ``extra``:
         a 1-D tensor read in the same read (a snapshot step's state magnitudes), its
         values returned as ``StepRead.extra``."""
-        _, _, dev = self.params_with_grads()
+        params, _, dev = self.params_with_grads()
+        self.channel.reduce_partial(params)  # DTensor addends (Partial) summed first
         found = (
             self.scaler.unscale_(self.optimizer).to(dev)
             if self.scaler.enabled

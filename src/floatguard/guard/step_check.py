@@ -16,8 +16,10 @@ Words used here:
   counts of ranks, and n * own has digits 0 or n, which a count equals only when every
   rank has that bit. Two values that differ anywhere differ in a bit.
 - *the packed read* (the all-reduced way, float64): the overflow flag, the squared
-  gradient norm (sharded and replicated parts apart: FSDP2 shards add up, DDP replicas
-  average), the loss, the bad-rank bits, then the slots (:func:`pack`, :func:`unpack`).
+  gradient norm in two parts (a summed one: each element held by one rank, FSDP2 shards,
+  a DTensor's pieces; an averaged one: replicas, DDP's and plain tensors'; weighed by
+  placement in :mod:`floatguard.guard.grad_norm`), the loss, the bad-rank bits, then the
+  slots (:func:`pack`, :func:`unpack`).
 
 Reading order: :func:`encode` -> :func:`differing`; :func:`pack` -> :func:`unpack`;
 :func:`desync_error` (the message when the ranks differ, from an all-gather of each
@@ -126,8 +128,8 @@ class Agreed:
 
 def pack(
     found: torch.Tensor,
-    norm_sq_sharded: torch.Tensor,
-    norm_sq_replicated: torch.Tensor,
+    norm_sq_summed: torch.Tensor,
+    norm_sq_averaged: torch.Tensor,
     loss: torch.Tensor,
     local_bad: torch.Tensor,
     rank: int,
@@ -137,8 +139,8 @@ def pack(
     ``slots`` (:func:`encode` of its step and fingerprint, float64's)."""
     bit = float(2**rank) if rank < 52 else 0.0  # bits beyond float64's mantissa: not named
     head = torch.stack(
-        [found.double().reshape(()), norm_sq_sharded.double().reshape(()),
-         norm_sq_replicated.double().reshape(()), loss.double().reshape(()),
+        [found.double().reshape(()), norm_sq_summed.double().reshape(()),
+         norm_sq_averaged.double().reshape(()), loss.double().reshape(()),
          local_bad.double().reshape(()) * bit]
     )  # fmt: skip
     tail = torch.tensor(list(slots), dtype=torch.float64)
