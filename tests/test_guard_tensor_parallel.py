@@ -218,6 +218,40 @@ def test_the_norm_is_the_global_norm(
         assert abs(alone["torch"] - alone_ref) <= REL * alone_ref, (alone, alone_ref)
 
 
+def _replicated_worker(rank: int, world: int, out: str) -> list[tuple[float, float]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    _replicate(model, init_device_mesh("cpu", (world,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt, clip=ClipPolicy(kind="none"))
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for _ in range(24):
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+
+        def loss(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            return ((model(x) - y) ** 2).mean()
+
+        w, b = (float(torch.linalg.vector_norm(t)) for t in _reference(model, loss)[0])
+        exact = math.sqrt(w**2 + b**2)  # float32 norms, squared and added in float64
+        pairs.append((guard.step(loss).grad_norm, exact))
+    guard.finish()
+    guard.close()
+    return pairs
+
+
+def test_a_gradient_replicated_on_3_ranks_is_counted_once_exactly(tmp_path: Path) -> None:
+    """Replicate gradients on 3 ranks count on rank 0 only (weights 0 and 1): the agreed
+    norm is theirs, bit for bit. (Weights of 1/3, which float64 cannot hold, leave the
+    norm an ulp off in 2 of these 24 steps.)"""
+    res = run_ranks(_replicated_worker, 3, tmp_path, timeout=90)
+    assert isinstance(res[0], list) and res[0] == res[1] == res[2], res
+    for norm, exact in res[0]:
+        assert norm == exact, (norm, exact)
+
+
 # ------------------------------------------------------------------ clipping
 CLIPS = {
     "none": ClipPolicy(kind="none"),
