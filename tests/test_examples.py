@@ -118,3 +118,25 @@ def test_async_nan_sentinel_counts_host_reads() -> None:
     assert out["bad step"].startswith("rolled_back, nonfinite_param")
     assert "nan born in 6 (param, param:weight)" in out["bad step"]
     assert float(out["time ratio per-layer / guard"]) > 0
+
+
+def test_torchrun_guard_runs_alone_and_resumes(tmp_path: Path) -> None:
+    """The torchrun example without torchrun: one rank; started again, it resumes (its
+    launches under torchrun are tests/test_torchrun.py)."""
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--snapshot-every", "2", "--nan-batch", "0:2"]
+
+    def launch(steps: int) -> str:
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLES / "torchrun_guard.py"), *args, "--steps", str(steps)],
+            capture_output=True, text=True, check=True, timeout=120,
+        )  # fmt: skip
+        return proc.stdout
+
+    first = launch(6)
+    assert "world size 1, attempt 0, starting at step 0" in first
+    assert "step 2: skipped, nan in the input on rank 0" in first
+    assert "rank 0: steps 0..6 (5 applied, 1 skipped, 0 rolled_back)" in first
+    again = launch(8)
+    assert "starting at step 5" in again  # the newest snapshot of the first run
+    assert "rank 0: steps 5..8 (3 applied, 0 skipped, 0 rolled_back)" in again
