@@ -16,7 +16,7 @@ Words used here:
   is restored on any rank before both all-gathers agree, so no rank trains on alone and
   none waits for the others' first step.
 
-Reading order: :func:`agreed_load`, then :func:`agree`.
+Reading order: :func:`agreed_load`, then :func:`agree` and :func:`loaded`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from floatguard.guard.keeper import SnapshotKeeper
     from floatguard.guard.peers import Peers
 
-__all__ = ["Agreement", "agree", "agreed_load"]
+__all__ = ["Agreement", "agree", "agreed_load", "loaded"]
 
 _RECORD_BYTES = 16384  # one rank's record in the resume's all-gathers
 _STEPS_SENT = 512  # the newest good steps a rank sends (a folder keeps snapshot_keep)
@@ -79,11 +79,7 @@ def agreed_load(
     ``snapshot_fallback`` event); newer good files another rank lacks are not."""
     found, mine = _attempt(lambda: _find(keeper, path, device, foreign))
     steps = [s for s, _ in found.good][:_STEPS_SENT] if found is not None else []
-    records = peers.all_gather_json(
-        {"steps": steps, "error": _said(mine)}, "guard.resume()'s snapshot steps", _RECORD_BYTES
-    )
-    if mine is not None:
-        raise mine
+    records = _together(peers, {"steps": steps}, mine, "guard.resume()'s snapshot steps")
     assert found is not None
     agreement = agree(records, peers.rank)
     used = dict(found.good)[agreement.step]
@@ -92,21 +88,22 @@ def agreed_load(
     snap, mine = _attempt(
         lambda: _load(keeper, found, used, agreement.step, device, objects, foreign)
     )
-    loads = peers.all_gather_json(
-        {"error": _said(mine)}, f"guard.resume()'s load of step {agreement.step}", _RECORD_BYTES
-    )
-    if mine is not None:
-        raise mine
-    failed = _failed(loads)
-    if failed:
-        whose = "its" if len(failed) == 1 else "their"
-        what = f"cannot load {whose} snapshot of the step agreed, {agreement.step}"
-        raise SnapshotError(
-            f"guard.resume() on rank {peers.rank}: {_failed_text(failed, what)}; nothing was "
-            "loaded on any rank"
-        )
+    loads = _together(peers, {}, mine, f"guard.resume()'s load of step {agreement.step}")
+    loaded(loads, peers.rank, agreement.step)
     assert snap is not None
     return snap, used, agreement
+
+
+def _together(
+    peers: Peers, record: dict[str, Any], mine: BaseException | None, what: str
+) -> list[dict[str, Any]]:
+    """Every rank's ``record`` with its error (rank order); this rank's own error is
+    raised once the others know of it."""
+    said = None if mine is None else f"{type(mine).__name__}: {mine}"[:2000]
+    records = peers.all_gather_json({**record, "error": said}, what, _RECORD_BYTES)
+    if mine is not None:
+        raise mine
+    return records
 
 
 def agree(records: list[dict[str, Any]], rank: int) -> Agreement:
@@ -133,6 +130,19 @@ def agree(records: list[dict[str, Any]], rank: int) -> Agreement:
     top = max(newest)
     behind = tuple(r for r, n in enumerate(newest) if n < top)
     return Agreement(max(common), newest[rank], behind)
+
+
+def loaded(records: list[dict[str, Any]], rank: int, step: int) -> None:
+    """SnapshotError (the same on every rank) when a rank could not load and fit its
+    snapshot of the step agreed, from every rank's ``{"error": ...}``."""
+    failed = _failed(records)
+    if failed:
+        whose = "its" if len(failed) == 1 else "their"
+        what = f"cannot load {whose} snapshot of the step agreed, {step}"
+        raise SnapshotError(
+            f"guard.resume() on rank {rank}: {_failed_text(failed, what)}; nothing was "
+            "loaded on any rank"
+        )
 
 
 def _find(
@@ -174,10 +184,6 @@ def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         return fn(), None
     except _ERRORS as e:
         return None, e
-
-
-def _said(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"[:2000]
 
 
 def _failed(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
