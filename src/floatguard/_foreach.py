@@ -51,12 +51,9 @@ def is_dtensor(t: object) -> bool:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s local part (a DTensor's, under no_grad: 0.2 us against 6 us with autograd
-    recording the call), or ``t``."""
-    if not is_dtensor(t):
-        return t
-    with torch.no_grad():
-        out: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
+    """``t``'s local part (a DTensor's), or ``t``. Call it under no_grad: 0.2 us a
+    DTensor, against 6 us with autograd recording the call."""
+    out: torch.Tensor = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
     return out
 
 
@@ -92,8 +89,8 @@ def local_groups(*lists: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor
         return []
     if _all_plain(lists):
         return [tuple(list(ts) for ts in lists)]
-    # a DTensor's device is its local part's
-    return [g for _, g in _grouped(lists, lambda t: t.device, _local)]
+    with torch.no_grad():  # a DTensor's device is its local part's
+        return [g for _, g in _grouped(lists, lambda t: t.device, _local)]
 
 
 def mesh_groups(tensors: Sequence[torch.Tensor]) -> list[tuple[Any, list[torch.Tensor]]]:

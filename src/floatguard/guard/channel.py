@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard._foreach import reduce_partial_grads
+from floatguard._foreach import is_dtensor, reduce_partial_grads
 from floatguard.distributed import config_fingerprint
 from floatguard.guard.ddp_hook import DDPReadHook
 from floatguard.guard.grad_norm import PlacementNorm
@@ -92,6 +92,9 @@ class ReadChannel:
         self.fingerprint = config_fingerprint(configuration)
         self.ddp_hook = self._register_ddp_hook(process_group)
         self._norms = PlacementNorm(peers.world if peers is not None else 1)
+        # DTensor parameters (FSDP2, tensor parallelism; never under DDP, which refuses
+        # them): only then can a gradient be Partial.
+        self._placed = any(is_dtensor(p) for p in model.parameters())
         self.finished = False
 
     @property
@@ -159,8 +162,9 @@ class ReadChannel:
     def reduce_partial(self, params: list[torch.Tensor]) -> None:
         """Under torch.distributed: the DTensor gradients with a Partial placement made
         Replicate before the step's read (:func:`~floatguard._foreach.reduce_partial_grads`:
-        a collective only where such gradients exist; plain ones cost a type check)."""
-        if self.peers is not None:
+        a collective only where such gradients exist; a model without DTensor
+        parameters skips it)."""
+        if self.peers is not None and self._placed:
             with self.region():
                 reduce_partial_grads(params)
 

@@ -124,13 +124,8 @@ class PlacementNorm:
         keys = tuple(self._key(g) for g in grads)
         weights, home, dtype = self._weights(grads, keys, dev)
         # A DTensor by its local part (no collective); a sparse gradient by its values.
-        local = []
-        for g in grads:
-            t = g
-            if is_dtensor(g):
-                with torch.no_grad():
-                    t = g.to_local()  # type: ignore[attr-defined]
-            local.append(stored_values(t))
+        with torch.no_grad():
+            local = [stored_values(g.to_local() if is_dtensor(g) else g) for g in grads]  # type: ignore[attr-defined]
         norms = torch._foreach_norm(local, 2.0, dtype=dtype)
         try:
             stacked = torch.stack(norms)
