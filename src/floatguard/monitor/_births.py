@@ -148,7 +148,8 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             self.ctx.forward_now()
         out = self._dispatch(func, args, kwargs or {}, backward)
-        self._note_outputs(out, lifted=getattr(func, "overloadpacket", None) in _LIFT_OPS)
+        if not getattr(func, "is_view", False):  # a view writes nothing: its base stays
+            self._note_outputs(out, lifted=getattr(func, "overloadpacket", None) in _LIFT_OPS)
         return out
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any], backward: bool) -> Any:
@@ -176,7 +177,9 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         level = max(sevs, default=0)
         node = torch._C._current_autograd_node()
         if level == 2:
-            if not backward:
+            # A view reads no value: a view of memory no op wrote yet (FSDP2's all-gather
+            # outputs, viewed before the copy into them) is no data of the step.
+            if not backward and not getattr(func, "is_view", False):
                 self._outside_data(func, in_t, sevs)
             out = func(*args, **kwargs)  # NaN or +inf in: a consequence
             if not backward:
