@@ -15,7 +15,21 @@ The bench GPT (4 layers, d=128, T=128, batch 16 per rank) and a tiny GPT (1 laye
 T=16, batch 8), where fixed per-step costs show most. Figures are rank 0's (the ranks
 step together).
 
-    python benchmarks/bench_distributed.py [--steps N] [--rounds R]
+Then DTensor layouts, fp32, AdamW, on an all-DTensor model (torch's ``clip_grad_norm_``
+refuses DTensors mixed with plain tensors, or on two meshes): a residual MLP stack
+(embedding, 4 blocks of LayerNorm + MLP with d=128, T=64, batch 8, a vocab-256 head)
+with the MLPs column- then row-parallel, the head column-parallel, the embedding and
+LayerNorms ``Replicate`` on the tp mesh:
+
+- *tp=2*: 2 ranks, 1-D tensor parallelism;
+- *dp=2 x tp=2*: 4 ranks (on this 2-core CPU: two processes a core), the same tp plan,
+  then ``fully_shard`` over dp (torchtitan's layout: every parameter on the 2-D mesh).
+
+Contenders: ``loss.backward(); torch.nn.utils.clip_grad_norm_(1.0); step`` (on DTensors:
+its collectives), the same plus one small all-reduce, and ``Guard.step(closure)`` (its
+read is one all-reduce of its own: no DDP bucket to ride; the norm by placement).
+
+    python benchmarks/bench_distributed.py [--steps N] [--rounds R] [--only ddp|tp|2d]
 """
 
 from __future__ import annotations
@@ -91,14 +105,144 @@ def guarded(name: str, rank: int) -> Callable[[], None]:
     return step
 
 
-def _worker(rank: int, world: int, init: str, out: str, steps: int, rounds: int) -> None:
+# ------------------------------------------------------------ DTensor layouts
+TP_MODEL = {"vocab": 256, "d": 128, "blocks": 4, "T": 64, "batch": 8}
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.proj(F.gelu(self.fc(self.ln(x))))
+        return out
+
+
+class MLPStack(nn.Module):
+    """Embedding, residual LayerNorm + MLP blocks, LayerNorm, head; returns logits."""
+
+    def __init__(self, vocab: int, d: int, blocks: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(blocks))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        out: torch.Tensor = self.head(self.ln_f(x))
+        return out
+
+
+def _replicate(module: nn.Module, mesh: object) -> None:
+    """``module``'s parameters as Replicate DTensors; plain tensors in and out."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inputs(mod: nn.Module, args: tuple[torch.Tensor, ...], mesh: object) -> object:
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args)
+
+    def outputs(mod: nn.Module, out: DTensor, mesh: object) -> torch.Tensor:
+        return out.to_local()
+
+    distribute_module(module, mesh, input_fn=inputs, output_fn=outputs)  # type: ignore[arg-type]
+
+
+def _tp_setup(layout: str, rank: int) -> Setup:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    c = TP_MODEL
+    torch.manual_seed(0)
+    model = MLPStack(c["vocab"], c["d"], c["blocks"])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) if layout == "2d" else None
+    tp = mesh["tp"] if mesh is not None else init_device_mesh("cpu", (2,))
+    plan: dict[str, object] = {"head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(c["blocks"]):
+        plan[f"blocks.{i}.fc"], plan[f"blocks.{i}.proj"] = ColwiseParallel(), RowwiseParallel()
+    parallelize_module(model, tp, plan)  # type: ignore[arg-type]
+    for m in [model.tok, model.ln_f, *(b.ln for b in model.blocks)]:  # type: ignore[union-attr]
+        _replicate(m, tp)
+    data_rank = 0
+    if mesh is not None:
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        data_rank = rank // 2  # the tp ranks of a dp group see the same batch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(data_rank)
+    x = torch.randint(0, c["vocab"], (c["batch"], c["T"]), generator=g)
+    return model, opt, x, torch.roll(x, -1, dims=1)
+
+
+def tp_peer(layout: str, rank: int) -> Callable[[], None]:
+    model, opt, x, y = _tp_setup(layout, rank)
+
+    def step() -> None:
+        _loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def tp_peer_plus_one(layout: str, rank: int) -> Callable[[], None]:
+    step = tp_peer(layout, rank)
+    small = torch.zeros(9, dtype=torch.float64)
+
+    def both() -> None:
+        step()
+        dist.all_reduce(small)
+
+    return both
+
+
+def tp_guarded(layout: str, rank: int) -> Callable[[], None]:
+    model, opt, x, y = _tp_setup(layout, rank)
+    guard = Guard(model, opt)
+
+    def step() -> None:
+        guard.step(lambda: _loss(model, x, y))
+
+    return step
+
+
+_DDP_PEER = "DDP + GradScaler + clip_grad_norm_"
+_TP_PEER = "clip_grad_norm_ on DTensors"
+ROWS: dict[str, tuple[int, list[tuple[str, dict[str, Callable[[str, int], Callable[[], None]]]]]]]
+ROWS = {
+    "ddp": (2, [(name, {_DDP_PEER: peer,
+                        "the same + one separate small all-reduce": peer_plus_one,
+                        "Guard.step(closure), distributed": guarded}) for name in MODELS]),
+    "tp": (2, [("tp=2", {_TP_PEER: tp_peer,
+                         "the same + one separate small all-reduce": tp_peer_plus_one,
+                         "Guard.step(closure), distributed": tp_guarded})]),
+    "2d": (4, [("2d", {_TP_PEER: tp_peer,
+                       "the same + one separate small all-reduce": tp_peer_plus_one,
+                       "Guard.step(closure), distributed": tp_guarded})]),
+}  # fmt: skip
+_LABELS = {"tp=2": "MLP stack, tp=2", "2d": "MLP stack, dp=2 x tp=2"}
+
+
+def _worker(
+    rank: int, world: int, init: str, out: str, steps: int, rounds: int, which: str
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     lines = []
-    for name in MODELS:
-        contenders = {"DDP + GradScaler + clip_grad_norm_": peer(name, rank),
-                      "the same + one separate small all-reduce": peer_plus_one(name, rank),
-                      "Guard.step(closure), distributed": guarded(name, rank)}  # fmt: skip
+    for name, makers in ROWS[which][1]:
+        contenders = {label: make(name, rank) for label, make in makers.items()}
         times: dict[str, list[float]] = {k: [] for k in contenders}
         for fn in contenders.values():
             for _ in range(3):
@@ -111,9 +255,9 @@ def _worker(rank: int, world: int, init: str, out: str, steps: int, rounds: int)
                     fn()
                 times[label].append((time.perf_counter() - start) / steps * 1e3)
         med = {k: statistics.median(v) for k, v in times.items()}
-        ref = med["DDP + GradScaler + clip_grad_norm_"]
+        ref = next(iter(med.values()))  # the peer
         for label, ms in med.items():
-            lines.append(f"| {name} | {label} | {ms:.2f} | {ms / ref:.3f}x |")
+            lines.append(f"| {_LABELS.get(name, name)} | {label} | {ms:.2f} | {ms / ref:.3f}x |")
     if rank == 0:
         with open(out, "w") as fh:
             fh.write("\n".join(lines) + "\n")
@@ -125,18 +269,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", choices=sorted(ROWS), default=None, help="one set of rows")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
-    out = os.path.join(tmp, "result.md")
-    mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), out, args.steps, args.rounds),
-             nprocs=2, join=True)  # fmt: skip
-    print(f"# distributed guard benchmark: torch {torch.__version__}, 2 gloo ranks on CPU, "
-          f"1 thread each, median of {args.rounds} interleaved rounds of {args.steps} "
-          "steps\n")  # fmt: skip
+    print(f"# distributed guard benchmark: torch {torch.__version__}, gloo ranks on CPU "
+          f"(2, the dp x tp rows 4), 1 thread each, median of {args.rounds} interleaved "
+          f"rounds of {args.steps} steps\n")  # fmt: skip
     print("| model | contender | ms / step | vs peer |")
     print("|---|---|---:|---:|")
-    with open(out) as fh:
-        sys.stdout.write(fh.read())
+    for which in [args.only] if args.only else list(ROWS):
+        world = ROWS[which][0]
+        out = os.path.join(tmp, f"result-{which}.md")
+        init = os.path.join(tmp, f"init-{which}")
+        mp.spawn(_worker, args=(world, init, out, args.steps, args.rounds, which),
+                 nprocs=world, join=True)  # fmt: skip
+        with open(out) as fh:
+            sys.stdout.write(fh.read())
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
