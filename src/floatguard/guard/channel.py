@@ -231,12 +231,19 @@ class ReadChannel:
         peers.read_done()
 
     # ------------------------------------------------------- a bad step
-    def agree(self, local: Fault | None, bad_ranks: tuple[int, ...], what: str) -> Fault | None:
+    def agree(
+        self, local: Fault | None, bad_ranks: tuple[int, ...], what: str, *, rare: bool = False
+    ) -> Fault | None:
         """Under torch.distributed, the fault every rank takes: the ranks all-gather their
         own finding (bad steps only) and take the first reproduced one (lowest rank),
-        else the first finding, named with its rank; without distributed, ``local``."""
+        else the first finding, named with its rank; without distributed, ``local``.
+        ``rare``: a finding is rare (the snapshot step's state check): the ranks first
+        count their findings (one all-reduce of one number) and all-gather only if one
+        has one."""
         if self.peers is None:
             return local
+        if rare and self.peers.count(local is not None, f"count of the {what}'s findings") == 0:
+            return None
         mine = None if local is None else dataclasses.replace(local, rank=self.peers.rank)
         records = self.peers.all_gather_json(
             {"fault": None if mine is None else mine.to_record()}, f"agreement on the {what}"

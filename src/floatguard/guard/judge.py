@@ -99,7 +99,7 @@ class Judge:
         if decision.response == "apply" and self.keeper.due(ladder.good_steps):
             vetting = self.vet(step, after_update, magnitudes)
             amax = vetting.amax
-            bad = self.channel.agree(vetting.bad, read.bad_ranks, "snapshot check")
+            bad = self.channel.agree(vetting.bad, read.bad_ranks, "snapshot check", rare=True)
             if bad is not None:  # the state went bad without a bad step: roll back
                 fault = bad
                 decision = policy.decide(

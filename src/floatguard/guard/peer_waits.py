@@ -157,6 +157,18 @@ class PeerWaits:
                 records.append({"error": "record truncated"})
         return records
 
+    def count(self, flag: bool, what: str) -> int:
+        """How many ranks pass ``flag`` True: one all-reduce of one number (on the side
+        gloo group where there is one), tracked; for an agreement that is usually "none"."""
+        import torch.distributed as dist
+
+        group, t = self.mail.group, torch.tensor([float(flag)], dtype=torch.float64)
+        if group is None:
+            group, t = self.group, t.to(self.device)
+        self._wait(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
+                                           async_op=True), what)  # fmt: skip
+        return int(t.item())
+
     def gated(self, work: Any, what: str, step: int) -> Any:
         """A future of ``work``'s tensor (a CPU all-reduce) that DDP may wait on:
         completed when the work is, or with this rank's failure (a peer's, a timeout, a
