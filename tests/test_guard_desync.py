@@ -349,3 +349,25 @@ def test_finish_without_torch_distributed_ends_the_run() -> None:
                        "after 1 guard steps"):  # fmt: skip
         guard.step(lambda: model(x).pow(2).mean())
     assert guard.step_count == 1 and guard.events.of_kind("stop") == []
+
+
+def _stage_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Pipeline stages: each rank holds other parameters (not a supported layout)."""
+    torch.manual_seed(rank)
+    model = nn.Linear(6, 16) if rank == 0 else nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = Guard(model, opt, log=os.path.join(out, f"run-rank{rank}.jsonl"))
+    x = torch.randn(8, 6 if rank == 0 else 16)
+    try:
+        guard.step(lambda: model(x).square().mean())
+    except GuardDesync as e:
+        return {"outcome": (type(e).__name__, str(e), e.ranks, e.step)}
+    return {"outcome": None}
+
+
+def test_pipeline_stages_are_refused_at_the_first_step(tmp_path: Path) -> None:
+    res = run_ranks(_stage_worker, 2, tmp_path, timeout=60)
+    for rank in (0, 1):
+        name, msg, _ranks, step = res[rank]["outcome"]
+        assert (name, step) == ("GuardDesync", 0), msg
+        assert "parameter shapes" in msg, msg
