@@ -201,7 +201,9 @@ def test_a_rank_killed_inside_its_snapshot_write(
     assert (resume0["newest_step"], resume0["ranks_behind"]) == (8, [1])
 
 
-@pytest.mark.parametrize("case", ["no common step", "a named file does not verify"])
+@pytest.mark.parametrize(
+    "case", ["no common step", "a named file does not verify", "a rank's folder is gone"]
+)
 def test_a_resume_that_cannot_agree_fails_on_every_rank(
     runs: tuple[dict[int, Any], Path], tmp_path: Path, case: str
 ) -> None:
@@ -211,6 +213,8 @@ def test_a_resume_that_cannot_agree_fails_on_every_rank(
     if case == "no common step":
         _snap(root, 0, 8).unlink()
         _snap(root, 1, 6).unlink()
+    elif case == "a rank's folder is gone":
+        shutil.rmtree(root / "rank1")
     else:
         resume = _snap(root, 1, 8).name
         raw = bytearray(_snap(root, 1, 8).read_bytes())
@@ -227,6 +231,13 @@ def test_a_resume_that_cannot_agree_fails_on_every_rank(
                 "good snapshots' steps, newest first: rank 0: 6; rank 1: 8); nothing was "
                 "loaded on any rank"
             )
+    elif case == "a rank's folder is gone":  # a SnapshotError on every rank, also its own
+        name, msg = errors[1]
+        assert name == "SnapshotError"
+        assert msg.startswith("guard.resume() on rank 1 cannot resume (FileNotFoundError: ")
+        name, msg = errors[0]
+        assert name == "SnapshotError"
+        assert msg.startswith("guard.resume() on rank 0: rank 1 cannot resume (FileNotFoundError")
     else:
         name, msg = errors[1]  # its own error, as without torch.distributed
         assert name == "SnapshotError" and "corrupted snapshot" in msg

@@ -12,7 +12,8 @@ Words used here:
 - *together*: every rank raises, or none. A rank that cannot list its snapshots (a
   busy folder, a file named that does not verify) or load and fit the agreed one (a
   snapshot of another model) says so in the all-gather that follows, and every other
-  rank raises a SnapshotError naming it; a rank's own error is raised as it is. Nothing
+  rank raises a SnapshotError naming it; a rank's own SnapshotError is raised as it is,
+  another error (a missing folder's FileNotFoundError) as a SnapshotError from it. Nothing
   is restored on any rank before both all-gathers agree, so no rank trains on alone and
   none waits for the others' first step.
 
@@ -101,8 +102,12 @@ def _together(
     raised once the others know of it."""
     said = None if mine is None else f"{type(mine).__name__}: {mine}"[:2000]
     records = peers.all_gather_json({**record, "error": said}, what, _RECORD_BYTES)
-    if mine is not None:
+    if isinstance(mine, SnapshotError):
         raise mine
+    if mine is not None:  # a missing folder, say: a SnapshotError as on the other ranks
+        raise SnapshotError(
+            f"guard.resume() on rank {peers.rank} cannot resume ({type(mine).__name__}: {mine})"
+        ) from mine
     return records
 
 
