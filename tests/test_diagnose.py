@@ -49,6 +49,10 @@ def test_bad_input_and_bad_parameter_causes_told_apart() -> None:
     lone = [*base, fault(30, phase="param", module="fc", tensor="param:weight", op="parameter")]
     f = diagnose(lone)[0]
     assert f.rule == "bad_parameter" and "memory corruption" in f.cause
+    assert f.evidence == "fc.param:weight at step(s) 30"
+    on_rank = [*base, fault(30, phase="param", module="fc", tensor="param:weight",
+                            op="parameter", fault_rank=1)]  # fmt: skip
+    assert diagnose(on_rank)[0].evidence == "fc.param:weight at step(s) 30, on rank 1"
     after_spikes = [*lone, ev("spike", 25, signal="loss", value=9.0)]
     f = next(f for f in diagnose(after_spikes) if f.rule == "bad_parameter")
     assert "learning rate is too high" in f.cause

@@ -19,7 +19,7 @@ import itertools
 import math
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -216,6 +216,14 @@ def _param_kind(e: Event) -> str:
     return "weight"
 
 
+def _on_ranks(hits: Sequence[Event]) -> str:
+    """Where the faults were found (", on rank 1", ", on ranks 1, 3"; "" if not named)."""
+    ranks = sorted({e["fault_rank"] for e in hits if e["fault_rank"] is not None})
+    if not ranks:
+        return ""
+    return f", on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def _param_faults(events: RunLog, *kinds: str) -> list[Event]:
     """The parameter-phase faults of the given :func:`_param_kind` kinds."""
     return [e for e in events.of_kind("fault") if e["phase"] == "param" and _param_kind(e) in kinds]
@@ -252,7 +260,8 @@ def optimizer_update(events: RunLog) -> list[Finding]:
     return [Finding(
         rule="optimizer_update", title="The optimizer update made a weight non-finite",
         evidence=(f"{', '.join(names)} finite with finite gradients before the update of "
-                  f"step {hits[0].step - 1}, non-finite after it (step(s) {_list(steps)})"),
+                  f"step {hits[0].step - 1}, non-finite after it (step(s) {_list(steps)})"
+                  f"{_on_ranks(hits)}"),
         cause=cause, fix=fix, severity=3, steps=steps,
     )]  # fmt: skip
 
@@ -290,7 +299,7 @@ def bad_optimizer_state(events: RunLog) -> list[Finding]:
                "it recurs on one machine only, check its memory (ECC errors)")  # fmt: skip
     return [Finding(
         rule="bad_optimizer_state", title="An optimizer state tensor went non-finite",
-        evidence=f"{', '.join(names)} at step(s) {_list(steps)}",
+        evidence=f"{', '.join(names)} at step(s) {_list(steps)}{_on_ranks(hits)}",
         cause=cause, fix=fix, severity=3, steps=steps,
     )]  # fmt: skip
 
@@ -330,7 +339,7 @@ def bad_parameter(events: RunLog) -> list[Finding]:
                "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
     names = sorted({_name(e) for e in hits})
     return [Finding(
-        "bad_parameter", title, f"{', '.join(names)} at step(s) {_list(steps)}",
+        "bad_parameter", title, f"{', '.join(names)} at step(s) {_list(steps)}{_on_ranks(hits)}",
         cause, fix, 3, steps,
     )]  # fmt: skip
 
