@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from floatguard.diagnose import diagnose
 from floatguard.events import Event
+from floatguard.report.page import verdict_of
 from floatguard.runlog import RunLog, global_view
 
 
@@ -73,3 +74,12 @@ def test_each_rank_supersedes_its_own() -> None:
     view = global_view(events)
     assert view.steps.column("step") == list(range(10))
     assert [e.step for e in view.of_kind("fault")] == [3]
+
+
+def test_the_report_verdict_of_a_resumed_run() -> None:
+    events = _run(0, cut=8, resume_at=2, n=10)
+    v = verdict_of(events)
+    assert (v.state, v.steps, v.faults) == ("recovered", 10, 1)
+    assert v.text.endswith("the run ended healthy; resumed 1 time(s), from step 2")
+    never_resumed = verdict_of([e for e in events if e.kind != "resume"])
+    assert never_resumed.state == "died" and never_resumed.text.startswith("Stopped at step 7")

@@ -36,10 +36,17 @@ def verdict_of(events: Iterable[Event]) -> Verdict:
     steps, faults, stops = log.steps, log.of_kind("fault"), log.of_kind("stop")
     losses = steps.column("loss")
     bad_tail = bool(losses[-5:]) and all(not _finite(v) for v in losses[-5:])
+    resumes = log.of_kind("resume")
+    # a stop a later resume of its rank went on from is history, not how the run ended
+    stops = [s for s in stops if not any(r.rank == s.rank and r.time >= s.time for r in resumes)]
+    resumed = ""
+    if resumes:
+        froms = ", ".join(str(r.step) for r in resumes[:5]) + (", ..." if len(resumes) > 5 else "")
+        resumed = f"; resumed {len(resumes)} time(s), from step {froms}"
     if stops:
         s = stops[-1]
         why = f" ({s['fault']})" if s["fault"] else ""
-        text = f"Stopped at step {s.step}: {s['reason']}{why}"
+        text = f"Stopped at step {s.step}: {s['reason']}{why}{resumed}"
         return Verdict("died", text, len(faults), len(steps))
     if bad_tail:
         first = next(steps.step[j] for j, v in enumerate(losses) if not _finite(v))
@@ -52,10 +59,10 @@ def verdict_of(events: Iterable[Event]) -> Verdict:
         return Verdict(
             "recovered",
             f"Recovered from {len(faults)} fault(s): {not_applied} of {len(steps)} steps "
-            "not applied (skipped or rolled back), the run ended healthy",
+            f"not applied (skipped or rolled back), the run ended healthy{resumed}",
             len(faults), len(steps),
         )  # fmt: skip
-    return Verdict("healthy", f"Healthy: all {len(steps)} steps applied", 0, len(steps))
+    return Verdict("healthy", f"Healthy: all {len(steps)} steps applied{resumed}", 0, len(steps))
 
 
 def _rank_table(log: RunLog) -> str:
