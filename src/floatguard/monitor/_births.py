@@ -41,6 +41,10 @@ _NOT_A_LOSS = frozenset({
 })  # fmt: skip
 _MAX_CANDIDATES = 256
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+# A collective's arguments whose values it reads (its output buffers are not inputs);
+# a broadcast reads only the root's, and the wait for a collective reads nothing.
+_READ_ARGS = frozenset({"input", "tensors", "input_tensor", "input_tensors", "inputs"})
+_NOT_READ = frozenset({"broadcast", "broadcast_", "wait_tensor", "_wrap_tensor_autograd"})
 
 _OUT_ARGS: dict[Any, frozenset[str]] = {}
 
@@ -104,9 +108,9 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if k in self.outside:
             return
         for t, sev in zip(in_t, sevs, strict=True):
-            if sev == 2 and (
-                given or (_storage(t) not in self.made and _storage(t) not in self.ctx.known)
-            ):
+            mem = _storage(t)
+            made = mem in self.made or mem in self.ctx.known or mem in self.ctx.delivered
+            if sev == 2 and (given or not made):
                 kind: Literal["nan", "inf"] = "nan" if _has_nan(t) else "inf"
                 module = self.ctx.current()
                 phase: Phase = "input"
@@ -141,6 +145,29 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._outside_data(func, in_t, sevs, given=True)
         return out
 
+    def _collective(
+        self, func: Any, name: str, args: Any, kwargs: dict[str, Any], backward: bool
+    ) -> Any:
+        """A collective brings other ranks' values: a NaN it delivers was born on another
+        rank, whose own replay names it (see floatguard.distributed), so its outputs are
+        neither births nor the step's data, nor (unless a broadcast's, the root's data
+        as it is) the model's input data. What it reads that no op made is data."""
+        if not backward and name not in _NOT_READ:
+            schema = getattr(func, "_schema", None)
+            names = [a.name for a in getattr(schema, "arguments", ())]
+            read = [v for n, v in zip(names, args, strict=False) if n in _READ_ARGS]
+            read += [v for n, v in kwargs.items() if n in _READ_ARGS]
+            in_t, _, _ = _float_operands(read)
+            sevs = [_severity(t) for t in in_t]
+            if max(sevs, default=0) == 2:
+                self._outside_data(func, in_t, sevs)
+        out = func(*args, **kwargs)
+        if "broadcast" not in name:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.ctx.delivered.add(_storage(t))
+        return out
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         backward = _in_backward()
         if backward:
@@ -156,9 +183,9 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if len(self.candidates) >= _MAX_CANDIDATES:
             return func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
-        if name in _SKIP or getattr(func, "namespace", "") in _COLLECTIVES:
-            # A collective brings other ranks' values: a NaN it delivers was born on
-            # another rank, whose own replay names it (see floatguard.distributed).
+        if getattr(func, "namespace", "") in _COLLECTIVES:
+            return self._collective(func, name, args, kwargs, backward)
+        if name in _SKIP:
             return func(*args, **kwargs)
         outs = _out_args(func)
         ins = {k: v for k, v in kwargs.items() if k not in outs} if outs else kwargs

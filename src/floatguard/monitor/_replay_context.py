@@ -54,6 +54,8 @@ class _Context:
         # else explains a bad loss: then it is the data's, see _births._forward_birth)
         self.ninf_inputs: dict[int, _Candidate] = {}
         self.known: set[int] = set()  # storages of the model's parameters and buffers
+        # storages a collective wrote in this replay: other ranks' values, no input data
+        self.delivered: set[int] = set()
         # Forward passes (micro-batches): one begins with the step and after each backward.
         self.forward_pass = 0
         self.backward_seen = False  # a backward ran since this forward pass began
@@ -144,6 +146,9 @@ class _Context:
         i = 0
         for x in leaves:
             if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+                continue
+            if self.delivered and _storage(x) in self.delivered:
+                i += 1  # a collective's output: born on a rank whose replay names it
                 continue
             sev = _severity(values_of(x))
             if sev == 2:

@@ -43,8 +43,19 @@ def _has_nan(t: torch.Tensor) -> bool:
     return bool(torch.isnan(t).any())
 
 
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``t``'s values on this rank: a DTensor's local part, the
+    tensor an ``AsyncCollectiveTensor`` (a functional collective's output) wraps."""
+    t = local_part(t)
+    elem = getattr(t, "elem", None) if type(t).__name__ == "AsyncCollectiveTensor" else None
+    return elem if isinstance(elem, torch.Tensor) else t
+
+
 def _storage(t: torch.Tensor) -> int:
+    """The address of the memory holding ``t``'s values on this rank (0 when unknown):
+    a DTensor and its local part are one memory, as are a collective's output and the
+    ``AsyncCollectiveTensor`` wrapping it (a wrapper's own storage cannot be read)."""
     try:
-        return int(t.untyped_storage().data_ptr())
+        return int(_local_tensor(t).untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
         return 0
