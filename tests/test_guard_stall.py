@@ -116,3 +116,54 @@ def test_a_stalled_rank_ends_the_others_within_the_limit(tmp_path: Path, case: s
     else:  # the loader came back: rank 1 stops with rank 0's error
         name, msg, ranks, step = res[1]["outcome"]
         assert name == "PeerFailed" and "rank 1 stops: rank 0 stopped at guard step 3" in msg
+
+
+_STOPPED_PEER = """
+import os, signal, sys, torch, torch.distributed as dist
+from torch import nn
+from floatguard import Guard
+rank, init, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Tanh(),
+                                                          nn.Linear(8, 1)))
+guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.05), log=log,
+              peer_timeout_s=2, peer_grace_s=1)
+x, y = torch.randn(8, 6), torch.randn(8, 1)
+for i in range(6):
+    if rank == 1 and i == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    guard.step(lambda: ((model(x) - y) ** 2).mean())  # rank 0 lets PeerFailed through
+guard.finish()
+"""
+
+
+def test_a_rank_that_fails_exits_while_its_peer_is_stopped(tmp_path: Path) -> None:
+    """Two interpreters, as torchrun starts them: rank 1 stops itself (SIGSTOP) in
+    step 3; rank 0's PeerFailed (DDP's gradient all-reduce, left pending) ends its
+    process with exit code 1 and the traceback, not a teardown that waits for the
+    all-reduce forever (gloo's process group joins the thread that runs it)."""
+    import sys
+
+    script = tmp_path / "stopped_peer.py"
+    script.write_text(_STOPPED_PEER)
+    init, logs = tmp_path / "init", [tmp_path / f"run-rank{r}.jsonl" for r in (0, 1)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(init), str(logs[r])],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        _out, err = procs[0].communicate(timeout=60)  # a hang before: far past this
+        assert procs[1].poll() is None  # still stopped
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1, err[-3000:]
+    assert "Traceback" in err and "floatguard.distributed.PeerFailed: rank 0 stops" in err, err
+    assert "floatguard: rank 0 ends:" in err and "will never complete" in err, err
+    assert "terminate called" not in err
+    stops = [e for e in read_events(logs[0]) if e.kind == "stop"]
+    assert [(e.step, e["reason"]) for e in stops] == [(AT, "peer_failed")], stops

@@ -19,6 +19,7 @@ Reading order: :meth:`Peers.finish`, :meth:`Peers._handle`, :meth:`Peers._watch`
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ class Peers(PeerWaits):
         on_stop: Callable[[int, str, str], None] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(group, timeout_s, grace_s, device, on_stop)
+        self._left: list[Any] = []  # works of guard collectives this rank stopped waiting for
         self.mail = Mailbox(self.global_ranks, self.rank, self._handle, self._status)
         self.mail.start()
         threading.Thread(target=self._watch, name="floatguard-watch", daemon=True).start()
@@ -174,11 +176,66 @@ class Peers(PeerWaits):
                     self._timed_out(w)
             self.check_region(now)
 
+    def _wait(self, launch: Callable[[], Any], what: str) -> None:
+        """:meth:`PeerWaits._wait`, keeping the work a failure left pending (see _at_exit)."""
+        works: list[Any] = []
+
+        def launched() -> Any:
+            works.append(launch())
+            return works[-1]
+
+        try:
+            super()._wait(launched, what)
+        finally:
+            if works and works[0] is not None and not works[0].is_completed():
+                self._left.append(works[0])
+
     # ------------------------------------------------------------- the end
+    def _pending(self) -> bool:
+        """A collective of this rank is still pending (a failure left it: its peer will
+        never join)."""
+        with self._lock:
+            works = [w.work for w in self.state.waits if w.work is not None] + self._left
+        try:
+            return any(not work.is_completed() for work in works)
+        except RuntimeError:  # the backend is gone
+            return False
+
+    def _end_at_exit(self) -> None:
+        """The process ends after this rank's failure with a collective still pending:
+        the interpreter's teardown would wait for it forever (gloo's process group joins
+        the thread that runs it), so write the stop event, flush, and end the process
+        (exit code 1)."""
+        assert self.failure is not None
+        try:
+            self.stopped(self.state.step, self.failure.error())
+        except Exception:  # the stop event is written already, or the log is closed
+            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        try:
+            sys.stderr.write(
+                f"floatguard: rank {self.rank} ends: {PREFIX.sub('', self.failure.message)}; "
+                "a collective this rank began will never complete (its peer is gone), and the "
+                "interpreter's teardown would wait for it forever\n"
+            )
+            sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+        os._exit(1)
+
     def _at_exit(self) -> None:
-        """The process ends: a rank that neither finished nor failed tells the others."""
+        """The process ends: a rank that neither finished nor failed tells the others; a
+        rank that failed with a collective left pending ends at once (_end_at_exit)."""
         s = self.state
-        if not self.mail.available or s.done is not None or self.failure is not None:
+        if self.failure is not None:
+            if self._pending():
+                self._end_at_exit()
+            return
+        if not self.mail.available or s.done is not None or self._closed:
             return
         last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         error = None if last is None else f"{type(last).__name__}: {last}"[:700]
@@ -201,4 +258,5 @@ class Peers(PeerWaits):
             s.done = "closed"
         self._closed = self.mail.closed = True
         self._wake.set()
-        atexit.unregister(self._at_exit)
+        if self.failure is None:  # a failed rank may still have to end at exit
+            atexit.unregister(self._at_exit)
