@@ -54,8 +54,6 @@ class Mailbox:
         self._sends: list[Any] = []
         self._replies: dict[int, dict[int, dict[str, Any]]] = {}
         self._asked = 0
-        self._byes: set[int] = set()  # the peers that closed their channel (no more messages)
-        self._thread: threading.Thread | None = None
         self.closed = False
         try:  # every rank of the group builds its guard together; only they take part
             self.group: Any = dist.new_group(
@@ -72,9 +70,7 @@ class Mailbox:
     def start(self) -> None:
         """Start the listener (once its owner is ready for messages)."""
         if self.group is not None:
-            self._thread = threading.Thread(target=self._listen, name="floatguard-peers",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
+            threading.Thread(target=self._listen, name="floatguard-peers", daemon=True).start()
 
     @property
     def available(self) -> bool:
@@ -116,20 +112,6 @@ class Mailbox:
             except RuntimeError:  # a peer that is gone, or the time is up
                 pass
 
-    def close(self, seconds: float) -> None:
-        """Say "bye" to every peer and wait (at most ``seconds``) until the listener has
-        had every peer's: it then ends with no receive pending. A receive left pending
-        into the interpreter's teardown returns there when a peer's process exits (its
-        connection closes), and the listener's thread, taking the GIL back from gloo's
-        wait while the interpreter finalizes, is ended inside C++ code: SIGABRT
-        ("terminate called without an active exception") after a clean run."""
-        if self.group is not None and not self.closed:
-            self.send_all({"kind": "bye", "rank": self.rank})
-            self.flush(seconds)
-        self.closed = True
-        if self._thread is not None and seconds > 0:
-            self._thread.join(seconds)
-
     def ask(self) -> dict[int, dict[str, Any] | None]:
         """Every peer's status (None: no answer within :data:`ASK_S` seconds: gone)."""
         with self._lock:
@@ -167,9 +149,5 @@ class Mailbox:
                 with self._lock:
                     if record.get("id") in self._replies:
                         self._replies[record["id"]][peer] = record
-            elif kind == "bye" and isinstance(peer, int):
-                self._byes.add(peer)
-                if len(self._byes) >= self.world - 1:
-                    return  # no peer sends again: no receive left pending
             else:
                 self.on_message(record)

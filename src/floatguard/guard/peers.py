@@ -247,17 +247,16 @@ class Peers(PeerWaits):
             pass
 
     def close(self) -> None:
-        """Stop the watchdog and the listener (:meth:`Mailbox.close`). A guard closed
-        without :meth:`finish` (and not failed) tells the peers it is done, after how
-        many steps."""
+        """Stop the watchdog (the listener's pending receive is left to the process's
+        exit). A guard closed without :meth:`finish` (and not failed) tells the peers it
+        is done, after how many steps."""
         s = self.state
         if s.done is None and self.failure is None and self.mail.available:
             self.mail.send_all({"kind": "finished", "rank": self.rank, "step": s.steps,
                                 "how": "guard.close()"})  # fmt: skip
             self.mail.flush(1.0)
             s.done = "closed"
-        self._closed = True
-        self.mail.close(2.0 if self.failure is None else 0.0)
+        self._closed = self.mail.closed = True
         self._wake.set()
         if self.failure is None:  # a failed rank may still have to end at exit
             atexit.unregister(self._at_exit)
