@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import signal
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -247,3 +248,37 @@ def test_a_resume_that_cannot_agree_fails_on_every_rank(
         assert "corrupted snapshot" in msg and msg.endswith("nothing was loaded on any rank")
     for r in (0, 1):  # nothing of the run was touched
         assert [e for e in _resume_events(root, r) if e.get("from_step") is not None] == []
+
+
+def _one_resumes(rank: int, world: int, out: str, root: str) -> dict[str, Any]:
+    """Only rank 0 calls resume(); rank 1 waits until rank 0 gave up."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    folder = Path(root, f"rank{rank}")
+    guard = Guard(
+        net, opt, peer_timeout_s=2.0,
+        response=ResponsePolicy(snapshot_dir=str(folder), snapshot_every=2, snapshot_keep=2),
+    )  # fmt: skip
+    if rank == 0:
+        try:
+            guard.resume()
+        except PeerFailed as e:
+            Path(out, "gave-up").touch()
+            return {"outcome": (type(e).__name__, str(e))}
+        return {"outcome": None}
+    while not Path(out, "gave-up").exists():
+        time.sleep(0.02)
+    return {"outcome": "waited"}
+
+
+def test_resume_on_one_rank_only_says_it_is_collective(
+    runs: tuple[dict[int, Any], Path], tmp_path: Path
+) -> None:
+    _, cut = runs
+    root = _copy(cut, tmp_path)
+    res = run_ranks(_one_resumes, 2, tmp_path, str(root), timeout=60)
+    name, msg = res[0]["outcome"]
+    assert name == "PeerFailed"
+    assert "(before the first guard step)" in msg and "guard step -1" not in msg
+    assert "guard.resume() runs on every rank together: call it on every rank or on none" in msg

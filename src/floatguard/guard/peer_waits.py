@@ -304,11 +304,16 @@ class PeerWaits:
         status = self.mail.ask()
         late = [r for r, s in status.items() if not arrived(s, w.step)]
         said = "; ".join(describe(r, status[r]) for r in (late or list(status)))
+        where = f"of guard step {w.step}" if w.step >= 0 else "(before the first guard step)"
+        hint = (
+            "guard.resume() runs on every rank together: call it on every rank or on none"
+            if "resume()" in w.what
+            else "A rank out of data must call guard.finish()"
+        )
         self._fail(
             PeerFailed,
-            f"rank {self.rank} stops: no answer within {self.timeout_s:g} s in {w.what} of "
-            f"guard step {w.step}: {said}. A rank out of data must call guard.finish(); "
-            "Guard(peer_timeout_s=...) sets this limit",
+            f"rank {self.rank} stops: no answer within {self.timeout_s:g} s in {w.what} "
+            f"{where}: {said}. {hint}; Guard(peer_timeout_s=...) sets this limit",
             tuple(late),
             w.step,
         )
