@@ -95,6 +95,7 @@ class Actor:
             state = snapshot(step, verdict.amax, state)
         params, grads, _ = self.reader.params_with_grads()
         self.clipper.apply(params, grads, verdict.clip[0])
+        self.keeper.fence()  # a host snapshot's copy is read before the update
         self.applying = True
         self._optimizer_step(state.lr_factor)
         self.clipper.update(read.grad_norm, verdict.clip[1])

@@ -319,6 +319,7 @@ class Guard(GuardPersistence):
     ) -> StepResult:
         closures = as_closures(closure)
         self._channel.begin(self.step_count)  # a peer failed, finished or exited: stop now
+        self._keeper.tick()
         step = self.step_count
         initial = self._snapshot_pending
         if initial:  # the state this step starts from, vetted by the step's own read

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from floatguard.guard.cadence import SnapshotCadence
 from floatguard.guard.emit import GuardEvents
 from floatguard.stability._snapshot_fit import first_misfit
 from floatguard.stability.snapshot import (
@@ -39,6 +40,11 @@ if TYPE_CHECKING:
     from floatguard.stability.respond import ResponsePolicy
 
 __all__ = ["SnapshotKeeper"]
+
+
+def _tensors(objects: dict[str, Any]) -> list[torch.Tensor]:
+    model = objects.get("model")
+    return list(model.parameters()) if isinstance(model, torch.nn.Module) else []
 
 
 def _run_of(path: Path) -> str | None:
@@ -75,6 +81,8 @@ class SnapshotKeeper:
         self.disk_step: int | None = None
         self._first: int | None = None  # the step of the first snapshot taken
         self._failing = False  # writes failing since the last one that worked (warned)
+        self.cadence = SnapshotCadence(policy.snapshot_every)
+        self._accelerated = False  # the state is on an accelerator (set at the first take)
 
     def age(self, next_step: int) -> int | None:
         """How many steps a resume from the newest snapshot on disk would run again
@@ -85,7 +93,23 @@ class SnapshotKeeper:
 
     def due(self, good_steps: int) -> bool:
         """Whether the step about to be applied is a snapshot step."""
-        return good_steps > 0 and good_steps % self.policy.snapshot_every == 0
+        return self.cadence.due(good_steps)
+
+    def tick(self) -> None:
+        """A step begins (its wall time feeds the snapshot budget)."""
+        self.cadence.tick()
+
+    def fence(self) -> None:
+        """Before the optimizer step overwrites the state: a host snapshot's copy still
+        in flight is waited for on the device (no host wait)."""
+        if self.snapshot is not None:
+            self.snapshot.fence()
+
+    def _budget(self, on: str) -> float | None:
+        b = self.policy.snapshot_budget
+        if b == "auto":
+            return 0.01 if on == "host" and self._accelerated else None
+        return b
 
     def take(
         self,
@@ -95,13 +119,26 @@ class SnapshotKeeper:
         amax: dict[str, float],
         *,
         vetted: bool = True,
+        good_steps: int = 0,
     ) -> None:
         """Snapshot ``objects`` before step ``step`` is applied, in memory (copied into
         the previous snapshot's memory) and, every ``disk_every``-th time, on disk.
         ``vetted=False``: the state's check comes later (:meth:`vouch` or :meth:`drop`)."""
+        if self.snapshot is not None:  # what the last copy cost, for the budget
+            self.cadence.cost(self.snapshot.copy_seconds())
         self.snapshot = Snapshot.capture(
-            step, objects, meta={**meta, "snapshots": self.taken}, reuse=self.snapshot
+            step,
+            objects,
+            meta={**meta, "snapshots": self.taken},
+            reuse=self.snapshot,
+            on=self.policy.snapshot_on,
         )
+        if self.taken == 0:
+            self._accelerated = self.snapshot.on == "host" and any(
+                p.device.type != "cpu" for p in _tensors(objects)
+            )
+        self.cadence.budget = self._budget(self.snapshot.on)
+        self.cadence.taken(good_steps)
         self.taken += 1
         if self._first is None:
             self._first = step
@@ -120,6 +157,8 @@ class SnapshotKeeper:
 
     def drop(self) -> None:
         """Forget a snapshot that failed its vetting (never restored, never written)."""
+        if self.snapshot is not None:
+            self.snapshot.wait()
         self.snapshot = None
         self.taken -= 1
 

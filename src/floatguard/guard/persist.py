@@ -100,7 +100,7 @@ class GuardPersistence:
             amax = vetting.amax
         ladder = policy.snapshot_taken(state or self._ladder)
         meta = {**ladder.to_meta(), "step_rng": dict(self._state.rng)}
-        self._keeper.take(step, self._stateful(), meta, amax)
+        self._keeper.take(step, self._stateful(), meta, amax, good_steps=ladder.good_steps)
         self._ladder = ladder
         return ladder
 

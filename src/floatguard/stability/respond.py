@@ -14,6 +14,7 @@ __all__ = ["ClipPolicy", "GuardStopped", "ResponsePolicy", "SpikePolicy"]
 ClipKind = Literal["zclip", "norm", "value", "none"]
 DetectorKind = Literal["robust", "lesson"]
 SnapshotErrorPolicy = Literal["retry", "disable", "raise"]
+SnapshotPlace = Literal["auto", "host", "device"]
 
 
 class GuardStopped(RuntimeError):
@@ -143,6 +144,20 @@ class ResponsePolicy:
     ``on_snapshot_error``: ``"retry"`` at the next snapshot (default), ``"disable"``
     writing for the rest of the run, or ``"raise"`` :class:`SnapshotError` with the
     step not applied (model, optimizer, gradients and counters as before it).
+
+    Where the snapshot lives (``snapshot_on``): ``"host"`` keeps it in host memory
+    (pinned buffers allocated once, copied from the accelerator on a side stream
+    without a host wait; the optimizer step waits for the copy on the device, and a
+    rollback or a write to disk waits on the host), ``"device"`` on the tensors' own
+    device (a second copy of weights and optimizer state there), ``"auto"`` (default)
+    host when the state is on an accelerator, device on a CPU (where both are the same
+    memory). How often (``snapshot_budget``): a fraction of step time the snapshot
+    copies may cost; the interval between snapshots is raised above
+    ``snapshot_every`` until the measured copy time, spread over it, is at most that
+    share of the measured step time (``"auto"``: 0.01 for host snapshots of
+    accelerator state, None on a CPU; None: every ``snapshot_every`` good steps,
+    deterministic). A budget makes the cadence depend on measured times, so two runs
+    with the same seed may snapshot at different steps (each snapshot is an event).
     """
 
     lr_backoff_after: int = 2
@@ -162,6 +177,8 @@ class ResponsePolicy:
     bad_data_stop_after: int = 10
     bad_data_window: int = 50
     bad_data_stop_fraction: float = 0.5
+    snapshot_on: SnapshotPlace = "auto"
+    snapshot_budget: float | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         ints = (
@@ -195,6 +212,20 @@ class ResponsePolicy:
             raise ValueError(
                 f"ResponsePolicy.bad_data_stop_fraction={self.bad_data_stop_fraction!r} "
                 "must be in (0, 1]"
+            )
+        if self.snapshot_on not in get_args(SnapshotPlace):
+            raise ValueError(
+                f"ResponsePolicy.snapshot_on={self.snapshot_on!r}; use 'auto', 'host' or 'device'"
+            )
+        b = self.snapshot_budget
+        if (
+            b is not None
+            and b != "auto"
+            and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1)
+        ):
+            raise ValueError(
+                f"ResponsePolicy.snapshot_budget={b!r} must be a fraction in (0, 1) of step "
+                "time (0.01: 1%), 'auto' or None (every snapshot_every good steps)"
             )
         if not 0 < self.lr_backoff_factor < 1:
             raise ValueError(

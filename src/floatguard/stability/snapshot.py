@@ -42,12 +42,13 @@ import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
+from floatguard.stability._host_copy import HostCopy, host_buffer
 from floatguard.stability._process import writer_gone, writer_tag
 from floatguard.stability._snapshot_file import (
     TEMP_NAME,
@@ -185,9 +186,12 @@ def _pair_up(old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor
     return False  # a tensor subclass or another container: a fresh snapshot copies it
 
 
-def _copy_into(old: dict[str, Any], new: dict[str, Any], plain: set[str]) -> bool:
+def _copy_into(
+    old: dict[str, Any], new: dict[str, Any], plain: set[str], copier: HostCopy | None = None
+) -> bool:
     """Copy each object's new state into the old state's tensors when the structure,
-    shapes and dtypes match (one ``torch._foreach_copy_``); True when
+    shapes and dtypes match (one ``torch._foreach_copy_``; with ``copier``, the host
+    snapshot's copy, asynchronous from an accelerator); True when
     done for every object (on False the old state may be half updated: the caller
     makes a fresh snapshot). The states named in ``plain`` held no tensor (scalers,
     detectors): they are replaced by copies."""
@@ -202,14 +206,45 @@ def _copy_into(old: dict[str, Any], new: dict[str, Any], plain: set[str]) -> boo
         elif not _pair_up(old[name], state, dst, src):
             return False
     try:
-        with torch.no_grad():
-            if dst:
-                # (a device or layout change raises here: then a fresh snapshot is made)
-                torch._foreach_copy_(dst, src)
+        if copier is not None:
+            copier.start(dst, src)
+        else:
+            with torch.no_grad():
+                if dst:
+                    # (a device or layout change raises here: then a fresh snapshot is made)
+                    torch._foreach_copy_(dst, src)
     except RuntimeError:
         return False
     old.update(rebuilt)
     return True
+
+
+def _host_tree(v: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
+    """A copy of a state with every plain tensor replaced by a new host buffer (paired
+    into ``dst``/``src`` for the copy); tensor subclasses (a DTensor shard) and other
+    leaves deep-copied where they are."""
+    if type(v) is torch.Tensor:
+        buf = host_buffer(v)
+        dst.append(buf)
+        src.append(v)
+        return buf
+    if isinstance(v, dict):
+        out = copy.copy(v)  # keeps an OrderedDict's type
+        for k, x in v.items():
+            out[k] = _host_tree(x, dst, src)
+        return out
+    if type(v) in (list, tuple):
+        return type(v)(_host_tree(x, dst, src) for x in v)
+    return _copy_plain(v)
+
+
+def _on_accelerator(states: Any) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tree_flatten(states)[0]
+    )
+
+
+SnapshotOn = Literal["auto", "host", "device"]
 
 
 @dataclass
@@ -224,6 +259,28 @@ class Snapshot:
     run_id: str | None = None
     # names of states that held no tensor when captured (copied whole when reused)
     plain: set[str] = field(default_factory=set, repr=False, compare=False)
+    # a host snapshot's copy from the device (None: the tensors were cloned where they are)
+    copier: HostCopy | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def on(self) -> str:
+        """Where the snapshot's tensors are: ``"host"`` or ``"device"`` (their own)."""
+        return "host" if self.copier is not None else "device"
+
+    def fence(self) -> None:
+        """Before the live state is overwritten (the optimizer step): the current stream
+        waits for a host snapshot's copy still in flight (device-side, no host wait)."""
+        if self.copier is not None:
+            self.copier.fence()
+
+    def wait(self) -> None:
+        """Block until a host snapshot's copy is complete (before its buffers are read)."""
+        if self.copier is not None:
+            self.copier.wait()
+
+    def copy_seconds(self) -> float | None:
+        """What the last capture's copy took (None while a device copy is in flight)."""
+        return self.copier.seconds() if self.copier is not None else None
 
     @classmethod
     def capture(
@@ -234,6 +291,7 @@ class Snapshot:
         rng: bool = True,
         meta: dict[str, Any] | None = None,
         reuse: Snapshot | None = None,
+        on: SnapshotOn = "device",
     ) -> Snapshot:
         """Deep-copy every object's ``state_dict()`` (tensors cloned) and the RNG states.
 
@@ -241,12 +299,27 @@ class Snapshot:
         overwritten in place when the structure, shapes and dtypes still match (no
         allocation: a snapshot every few steps costs one copy of the state); it is
         returned updated. Otherwise a new snapshot is made.
+
+        ``on``: ``"device"`` clones each tensor on its own device; ``"host"`` copies
+        plain tensors into host buffers (pinned for CUDA sources, allocated once and
+        reused) on a side stream, asynchronously (:class:`_host_copy.HostCopy`: call
+        :meth:`fence` before the state is overwritten, :meth:`wait` before reading the
+        buffers; :meth:`restore` and :meth:`save` wait themselves); ``"auto"``: host
+        when a tensor is on an accelerator, else device. Tensor subclasses (an FSDP2
+        DTensor shard) are deep-copied on their device either way.
         """
         states = {name: obj.state_dict() for name, obj in objects.items()}
         meta_d = dict(meta or {})
-        if reuse is not None and _copy_into(reuse.states, states, reuse.plain):
-            reuse.step, reuse.rng, reuse.meta = step, (_rng_state() if rng else None), meta_d
-            return reuse
+        if on == "auto":
+            on = "host" if _on_accelerator(states) else "device"
+        if on not in ("host", "device"):
+            raise ValueError(f"Snapshot.capture(on={on!r}); use 'host', 'device' or 'auto'")
+        if reuse is not None and reuse.on == on:
+            if _copy_into(reuse.states, states, reuse.plain, reuse.copier):
+                reuse.step, reuse.rng = step, (_rng_state() if rng else None)
+                reuse.meta = meta_d
+                return reuse
+            reuse.wait()  # a fresh snapshot follows: nothing may still write the old one
         # States that hold nothing but small Python values (a scaler's, a detector's) are
         # copied whole when reused; an optimizer's is not plain even before its first
         # step (its moments come then).
@@ -256,13 +329,21 @@ class Snapshot:
             and not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(st)[0])
         }  # fmt: skip
         rng_state = _rng_state() if rng else None
-        return cls(step, copy.deepcopy(states), rng_state, meta_d, plain=plain)
+        if on == "device":
+            return cls(step, copy.deepcopy(states), rng_state, meta_d, plain=plain)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        kept = {name: _host_tree(st, dst, src) for name, st in states.items()}
+        copier = HostCopy()
+        copier.start(dst, src)
+        return cls(step, kept, rng_state, meta_d, plain=plain, copier=copier)
 
     def restore(self, objects: dict[str, Stateful]) -> None:
         """Load every saved state back (and the RNG states). Missing names raise KeyError."""
         missing = [n for n in objects if n not in self.states]
         if missing:
             raise KeyError(f"snapshot has no state for {missing}; it holds {sorted(self.states)}")
+        self.wait()
         for name, obj in objects.items():
             obj.load_state_dict(copy.deepcopy(self.states[name]))
         if self.rng is not None:
@@ -275,6 +356,7 @@ class Snapshot:
         (to checksum it): a save briefly holds one more copy of the state in host
         memory. The temp file's name carries the writer's host, pid and start time
         (:meth:`SnapshotStore.leftovers` never removes a live writer's)."""
+        self.wait()
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
