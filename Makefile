@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest demo bench clean
+.PHONY: install test lint typecheck pytest demo bench gpu-check clean
 
 # Every install goes through constraints.txt, the development and CI lock (README,
 # "Pinned test tools"). The editable install builds with the pinned hatchling, not an
@@ -45,6 +45,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_monitor.py
 	$(PY) benchmarks/bench_guard.py
 	$(PY) benchmarks/bench_fp8_emulation.py
+
+# One table of what only a CUDA device can show (README, "GPU check"); without CUDA
+# it says so and exits 0. ARGS=--quick: the same models, fewer steps.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
