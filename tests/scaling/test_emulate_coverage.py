@@ -79,7 +79,9 @@ def test_presets_and_the_renamed_tensor_recipe() -> None:
     from floatguard.scaling import MX, NVFP4, Block, TensorRecipe
 
     r = EmulationRecipe.mxfp8()
-    assert r.activation == MX("e4m3fn", 32, "rceil") and r.grad == MX("e5m2", 32, "rceil")
+    # TE's MXFP8BlockScaling: e4m3 gradients too (Format.E4M3); e5m2 is its HYBRID option
+    assert r.activation == MX("e4m3fn", 32, "rceil") and r.grad == MX("e4m3fn", 32, "rceil")
+    assert EmulationRecipe.mxfp8(grad_element="e5m2").grad == MX("e5m2", 32, "rceil")
     assert EmulationRecipe.mxfp8("floor").weight == MX("e4m3fn", 32, "floor")
     d = EmulationRecipe.deepgemm(ue8m0=True)
     assert d.weight == Block("e4m3fn", (128, 128), "pow2", 1e-4, "decode_mul")

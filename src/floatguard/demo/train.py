@@ -32,7 +32,9 @@ def train_tiny(
     torch.manual_seed(seed)
     model = GPT(cfg)
     if recipe is not None:
-        emulate(model, recipe, skip=("head",), attention=attention)
+        # the layers the recipe keeps in high precision, else the LM head
+        skip = ("head",) if recipe.skip is None else recipe.skip
+        emulate(model, recipe, skip=skip, attention=attention)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 30) * max(0.1, 1 - s / steps)

@@ -3,20 +3,21 @@
 ``emulate(model, EmulationRecipe.hybrid_block())`` swaps, in place, every
 ``nn.Linear`` (and transformers' ``Conv1D``) for an :class:`EmulatedLinear` and
 every ``nn.Conv1d``/``nn.Conv2d`` for an :class:`EmulatedConv`, each sharing the
-original's parameters (the optimizer keeps working). In forward they quantize the
-GEMM's input and weight with their recipes and multiply in float32; in backward
-they quantize the output gradient with the gradient recipe (E5M2 in the HYBRID
-recipes) before both gradient GEMMs. A convolution is computed as the implicit
+original's parameters (the optimizer keeps working). Each of the layer's three GEMMs
+(forward, dgrad, wgrad) quantizes its two operands along its own reduction dim with
+the recipe's choice for that operand (:class:`EmulationRecipe`, six operand recipes;
+the GEMM itself is :mod:`floatguard.scaling._gemm`) and multiplies in float32. A
+convolution is computed as the implicit
 GEMM it is (im2col: the reduction runs over ``in_channels / groups * kernel``), so
 block scales run along the same dim as a GEMM kernel's. With ``attention=True``
 the two matmuls inside ``F.scaled_dot_product_attention`` (``q k^T`` and ``p v``)
 are emulated too, as FP8 attention kernels compute them. ``restore(model)`` undoes
 all of it.
 
-Optional accumulation emulation: round the partial sums to ``accumulate_bits``
-mantissa bits every ``accumulate_every`` elements of the reduction (DeepSeek-V3
-promotes Tensor Core partial sums to fp32 every 128 elements because the FP8
-GEMM accumulator keeps about 14 bits).
+Optional accumulation emulation, in all three GEMMs: round the partial sums to
+``accumulate_bits`` mantissa bits every ``accumulate_every`` elements of the reduction
+(DeepSeek-V3 promotes Tensor Core partial sums to fp32 every 128 elements because the
+FP8 GEMM accumulator keeps about 14 bits).
 """
 
 from __future__ import annotations
@@ -25,105 +26,20 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from floatguard.formats.registry import Format
-from floatguard.formats.rounding import quantize
-from floatguard.scaling.recipes import (
-    MX,
-    NVFP4,
-    Block,
-    MXScaleMode,
-    Rowwise,
-    TensorRecipe,
-    Tensorwise,
-)
+from floatguard.scaling._gemm import _accumulated_matmul, _emulated_gemm  # noqa: F401 (re-exported)
+from floatguard.scaling.emulation_recipe import EmulationRecipe
+from floatguard.scaling.recipes import TensorRecipe
 
 __all__ = [
     "Coverage", "EmulatedConv", "EmulatedLinear", "EmulationRecipe", "FakeQuant", "emulate",
     "emulated_sdpa", "fake_quant", "restore",
 ]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class EmulationRecipe:
-    """What each GEMM operand becomes: ``activation`` (the layer input), ``weight``,
-    ``grad`` (the output gradient in backward; None = straight-through, not quantized).
-    ``accumulate_bits`` / ``accumulate_every``: optional accumulator emulation."""
-
-    activation: TensorRecipe
-    weight: TensorRecipe
-    grad: TensorRecipe | None = None
-    accumulate_bits: int | None = None
-    accumulate_every: int = 128
-
-    def __post_init__(self) -> None:
-        if self.accumulate_bits is not None and not 1 <= self.accumulate_bits <= 23:
-            raise ValueError(f"accumulate_bits={self.accumulate_bits!r} must be in 1..23")
-        if not isinstance(self.accumulate_every, int) or self.accumulate_every < 1:
-            raise ValueError(f"accumulate_every={self.accumulate_every!r} must be a positive int")
-
-    @classmethod
-    def hybrid_tensorwise(cls) -> EmulationRecipe:
-        """TE HYBRID with current tensor-wise scales: e4m3 forward, e5m2 gradients."""
-        return cls(Tensorwise("e4m3fn"), Tensorwise("e4m3fn"), Tensorwise("e5m2"))
-
-    @classmethod
-    def hybrid_rowwise(cls) -> EmulationRecipe:
-        """Row-wise e4m3 activations and weights, row-wise e5m2 gradients (torchao rowwise)."""
-        return cls(Rowwise("e4m3fn"), Rowwise("e4m3fn"), Rowwise("e5m2"))
-
-    @classmethod
-    def hybrid_block(cls) -> EmulationRecipe:
-        """DeepSeek-V3 style blocks (1x128 activations, 128x128 weights, e4m3) with e5m2
-        1x128 gradients (the HYBRID choice of format for the backward pass)."""
-        return cls(
-            Block.deepseek_v3_activation(), Block.deepseek_v3_weight(), Block("e5m2", (1, 128))
-        )
-
-    @classmethod
-    def deepseek_v3(cls) -> EmulationRecipe:
-        """DeepSeek-V3 as published: e4m3 everywhere, 1x128 / 128x128 blocks, and partial
-        sums promoted to fp32 every 128 elements from a ~14-bit accumulator."""
-        act = Block.deepseek_v3_activation()
-        return cls(act, Block.deepseek_v3_weight(), act, accumulate_bits=13, accumulate_every=128)
-
-    @classmethod
-    def mxfp8(cls, scale_mode: MXScaleMode = "rceil") -> EmulationRecipe:
-        """MXFP8: e4m3 elements in 32-blocks with E8M0 scales, e5m2 gradients. The scale
-        exponent rounds up by default (``"rceil"``: never saturates), as Transformer
-        Engine's MXFP8BlockScaling and NVIDIA's MXFP8 pre-training recipe (Mishra et al.,
-        2025) do; ``scale_mode="floor"`` is the OCP MX v1.0 rule, which can saturate the
-        block maximum (on the tiny GPT: +3.2% held-out loss vs +1.7% for rceil)."""
-        return cls(
-            MX("e4m3fn", 32, scale_mode), MX("e4m3fn", 32, scale_mode), MX("e5m2", 32, scale_mode)
-        )
-
-    @classmethod
-    def nvfp4(cls) -> EmulationRecipe:
-        """NVFP4 activations and weights, straight-through gradients."""
-        return cls(NVFP4(), NVFP4(), None)
-
-    @classmethod
-    def nvfp4_training(cls) -> EmulationRecipe:
-        """NVIDIA's NVFP4 training recipe (NVIDIA, "Pretraining Large Language Models with
-        NVFP4", 2025): 1x16 activation blocks, 16x16 weight tiles, 1x16 gradient blocks
-        with stochastic rounding. (Its random Hadamard transform of the weight-gradient
-        inputs, and the layers it keeps in BF16, are not emulated: skip those layers.)"""
-        return cls(NVFP4(), NVFP4(two_d=True), NVFP4(rounding="stochastic"))
-
-    @classmethod
-    def deepgemm(cls, ue8m0: bool = False) -> EmulationRecipe:
-        """DeepGEMM's casts (decode scales ``amax / 448``, amax floored at 1e-4, ``x * (1/sf)``):
-        1x128 e4m3 activation and gradient tiles, 128x128 weight blocks; ``ue8m0``: the
-        scales are powers of two (rounded up), as on Blackwell."""
-        act = Block.deepgemm_activation(ue8m0)
-        return cls(act, Block.deepgemm_weight(ue8m0), act)
 
 
 class FakeQuant(torch.autograd.Function):
@@ -149,34 +65,6 @@ def fake_quant(
     """Differentiable fake quantization (see :class:`FakeQuant`)."""
     out: torch.Tensor = FakeQuant.apply(x, recipe, grad_recipe)  # type: ignore[no-untyped-call]
     return out
-
-
-def _accumulated_matmul(a: torch.Tensor, b_t: torch.Tensor, bits: int, every: int) -> torch.Tensor:
-    """``a @ b_t.T`` with partial sums over chunks of ``every`` rounded to ``bits`` mantissa
-    bits, then summed in float32 (the promotion)."""
-    acc_fmt = Format.custom(8, bits, name=f"acc_m{bits}")
-    k = a.shape[-1]
-    out = None
-    for start in range(0, k, every):
-        part = a[..., start : start + every] @ b_t[:, start : start + every].T
-        part = quantize(part, acc_fmt)
-        out = part if out is None else out + part
-    assert out is not None
-    return out
-
-
-def _emulated_gemm(a: torch.Tensor, w: torch.Tensor, r: EmulationRecipe) -> torch.Tensor:
-    """``a @ w.T`` (a: [..., K], w: [N, K], float32) as the low-precision GEMM computes it:
-    both operands quantized with blocks along the reduction dim K, the product in float32
-    (or with the accumulator emulated), the output gradient quantized in backward."""
-    aq = fake_quant(a, r.activation)
-    wq = fake_quant(w, r.weight)
-    if r.accumulate_bits is not None:
-        y = _accumulated_matmul(aq, wq, r.accumulate_bits, r.accumulate_every)
-    else:
-        y = aq @ wq.T
-    # The output gradient is what both backward GEMMs consume: quantize it once here.
-    return fake_quant(y, None, r.grad)
 
 
 class _Emulated(nn.Module):
@@ -308,21 +196,27 @@ def emulated_sdpa(
     recipe: EmulationRecipe,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with its two matmuls emulated, as FP8 attention
-    kernels compute them: ``q``, ``k`` quantized along the head dim for ``S = q k^T``;
-    the probabilities ``P`` (along the keys) and ``v`` (along the keys too: the reduction
-    of ``P v``) quantized for the output; the gradients of S and of the output quantized
-    with the gradient recipe. The scale ``1/sqrt(E)``, the mask and the softmax run in
-    float32; a row with every key masked gives 0 (torch's math backend's safe softmax)."""
-    r = recipe
+    kernels compute them, forward and backward: ``S = q k^T`` (q and k along the head
+    dim E) and ``O = P v`` (P and v along the keys), each the emulated GEMM of
+    :mod:`floatguard.scaling._gemm`, so their four backward matmuls quantize their
+    operands along their own reduction dims too (``dq = dS k``: dS and k along the keys;
+    ``dk = dS^T q``: dS and q along the queries; ``dP = dO v^T``: along E; ``dv = P^T
+    dO``: along the queries). Every non-gradient operand (q, k, P, v) uses the recipe's
+    ``activation``, dS and dO its ``dgrad_grad`` / ``wgrad_grad``; no Hadamard
+    transform, no accumulator emulation. The scale ``1/sqrt(E)``, the mask and the
+    softmax run in float32; a row with every key masked gives 0 (torch's math
+    backend's safe softmax). Batch dims broadcast as in SDPA; a 2-D (16x16 / 128x128)
+    recipe would tile across heads (the batch is flattened), use 1-D ones here."""
+    r = _attention_recipe(recipe)
     q, k, v = query.float(), key.float(), value.float()
     if enable_gqa and k.size(-3) != q.size(-3):
         rep = q.size(-3) // k.size(-3)
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])  # type: ignore[no-untyped-call]
+    q, k, v = (t.expand(*batch, *t.shape[-2:]) for t in (q, k, v))
     n_q, n_k = q.size(-2), k.size(-2)
     sc = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    qq = fake_quant(q, r.activation)
-    kq = fake_quant(k, r.activation)
-    s = fake_quant(qq @ kq.transpose(-2, -1), None, r.grad) * sc
+    s = _emulated_gemm(q, k, r) * sc
     if is_causal:
         keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~keep, -math.inf)
@@ -335,10 +229,18 @@ def emulated_sdpa(
     p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)
     if dropout_p > 0.0:
         p = F.dropout(p, dropout_p, training=True)
-    pq = fake_quant(p, r.activation)
-    vq = fake_quant(v.transpose(-2, -1), r.activation).transpose(-2, -1)
-    out = fake_quant(pq @ vq, None, r.grad)
+    out = _emulated_gemm(p, v.transpose(-2, -1), r)  # P [.., n_q, n_k] @ (v^T) [.., E, n_k]^T
     return out.to(query.dtype)
+
+
+def _attention_recipe(r: EmulationRecipe) -> EmulationRecipe:
+    """The attention matmuls' operand recipes: ``activation`` for q, k, P and v in
+    every GEMM, the layer recipe's gradient recipes for dS and dO."""
+    ops = r.operands()
+    return EmulationRecipe(
+        r.activation, r.activation, r.grad, dgrad_grad=ops["dgrad_grad"],
+        wgrad_grad=ops["wgrad_grad"],
+    )  # fmt: skip
 
 
 class _RootHooks:
@@ -490,7 +392,7 @@ def emulate(
     recipe: EmulationRecipe,
     *,
     modules: tuple[type[nn.Module], ...] | None = None,
-    skip: tuple[str, ...] | Callable[[str, nn.Module], bool] = (),
+    skip: tuple[str, ...] | Callable[[str, nn.Module], bool] | None = None,
     attention: bool = False,
 ) -> Coverage:
     """Swap matching modules in place for emulated ones; returns what was covered.
@@ -501,7 +403,8 @@ def emulate(
     ``F.linear`` calls, through hooks; torch's fused fast paths are turned off while the
     model runs), or only the ``modules`` given (subclasses of those).
     ``skip`` is a tuple of name substrings (e.g. ``("head",)`` to keep the LM head in
-    high precision, as DeepSeek-V3 does) or a predicate ``(name, module) -> bool``.
+    high precision, as DeepSeek-V3 does) or a predicate ``(name, module) -> bool``;
+    None (the default): the recipe's own ``skip`` (``EmulationRecipe.skip``), else none.
     ``attention=True`` also emulates the two matmuls of every
     ``F.scaled_dot_product_attention`` the model calls (:func:`emulated_sdpa`; eager
     attention written with ``torch.matmul`` is not seen, and a forward that calls no SDPA
@@ -521,6 +424,7 @@ def emulate(
             )
     if model in _ROOT:
         raise ValueError("emulate() was already applied to this model; restore() first")
+    skip = (recipe.skip or ()) if skip is None else skip  # the preset's high-precision layers
     swapped: list[str] = []
     left: dict[str, list[str]] = {}
     n_skipped = 0

@@ -1,0 +1,156 @@
+"""The emulated GEMM: forward and both backward GEMMs on operands quantized per recipe.
+
+:class:`_EmulatedGemm` is a ``torch.autograd.Function`` for ``Y = A B^T`` (a linear
+layer's ``X W^T``, an im2col conv, an attention matmul). Forward quantizes A and B
+along K with the recipe's fprop recipes and saves the *high-precision* A and B (or the
+forward's quantized copies where the recipe says so: ``*_from="fprop"``); backward
+quantizes each operand of dgrad and wgrad afresh, along that GEMM's reduction dim, as
+Transformer Engine's column-wise copies are made from the high-precision tensor
+(``Float8BlockScaling`` / ``MXFP8BlockScaling`` / ``NVFP4BlockScaling`` docstrings:
+"both versions are computed from the high precision input to avoid double
+quantization errors"; ``custom_recipes/reference_nvfp4.py``: ``col_input =
+tensor.t()``, RHT'd for Wgrad, with its own amax), as torchao's
+``matmul_with_hp_or_float8_args`` does from its saved ``input_hp`` / ``weight_hp_t``.
+
+Layouts (every operand reduction-last, see :mod:`floatguard.scaling.emulation_recipe`):
+fprop ``A [.., M, K] @ B [.., N, K]^T``; dgrad ``dY [.., M, N] @ (B^T) [.., K, N]^T``;
+wgrad ``(dY^T) [.., N, M] @ (A^T) [.., K, M]^T``. Leading batch dims (attention) are
+GEMM batches: wgrad reduces over M within each batch. A linear layer's tokens are
+flattened into M before (``_emulated_gemm``).
+
+Every matmul here runs inside :func:`~floatguard.scaling._gemm_tag.emulated_gemm`
+(the coverage audit counts those FLOPs as emulated); the RHT is a butterfly, not a
+matmul. Order of the draws of stochastic rounding: fprop's, then dgrad's, then
+wgrad's. No host-device sync anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from floatguard.formats.registry import Format
+from floatguard.formats.rounding import quantize
+from floatguard.scaling._gemm_tag import emulated_gemm
+from floatguard.scaling.emulation_recipe import EmulationRecipe
+from floatguard.scaling.hadamard import random_hadamard_transform
+from floatguard.scaling.recipes import TensorRecipe
+
+__all__: list[str] = []
+
+
+def _quantized(recipe: TensorRecipe | None, t: torch.Tensor) -> torch.Tensor:
+    """t (float32, reduction dim last) fake-quantized by ``recipe``; None: t itself."""
+    if recipe is None or t.numel() == 0:
+        return t
+    return recipe(t).values.to(torch.float32)
+
+
+def _t(t: torch.Tensor) -> torch.Tensor:
+    """The last two dims swapped, contiguous (the kernels' column-wise copy layout)."""
+    return t.transpose(-1, -2).contiguous()
+
+
+def _accumulated_matmul(a: torch.Tensor, b_t: torch.Tensor, bits: int, every: int) -> torch.Tensor:
+    """``a @ b_t^T`` (both reduction-last, batch dims allowed) with the partial sums over
+    each chunk of ``every`` elements of the reduction rounded to nearest even at
+    ``bits`` mantissa bits (float32's exponent range), then added in float32 in order
+    (the promotion to fp32 registers). Runs inside ``emulated_gemm()``."""
+    acc_fmt = Format.custom(8, bits, name=f"acc_m{bits}")
+    k = a.shape[-1]
+    out: torch.Tensor | None = None
+    with emulated_gemm():
+        for start in range(0, k, every):
+            part = a[..., start : start + every] @ b_t[..., start : start + every].transpose(-1, -2)
+            part = quantize(part, acc_fmt)
+            out = part if out is None else out + part
+    if out is None:  # an empty reduction
+        with emulated_gemm():
+            out = a @ b_t.transpose(-1, -2)
+    return out
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, r: EmulationRecipe) -> torch.Tensor:
+    """``a @ b^T`` on quantized operands, as the recipe's GEMM accumulates it."""
+    if r.accumulate_bits is not None:
+        return _accumulated_matmul(a, b, r.accumulate_bits, r.accumulate_every)
+    with emulated_gemm():
+        return a @ b.transpose(-1, -2)
+
+
+def _rht_pair(
+    g_t: torch.Tensor, a_t: torch.Tensor, r: EmulationRecipe
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both wgrad operands (tokens last) zero-padded to a multiple of the Hadamard size
+    and transformed (the padding cancels: its rows of dY and X are 0 before the
+    transform, and the transform is orthogonal)."""
+    n = r.wgrad_rht
+    if n is None:
+        return g_t, a_t
+    pad = (-g_t.shape[-1]) % n
+    if pad:
+        g_t, a_t = F.pad(g_t, (0, pad)), F.pad(a_t, (0, pad))
+    return (
+        random_hadamard_transform(g_t, n, r.rht_seed),
+        random_hadamard_transform(a_t, n, r.rht_seed),
+    )
+
+
+class _EmulatedGemm(torch.autograd.Function):
+    """``a @ w^T`` (float32; a ``[.., M, K]``, w ``[.., N, K]`` with a's batch dims or
+    none) with the six operand quantizations of an :class:`EmulationRecipe`."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, r: EmulationRecipe) -> torch.Tensor:
+        ops = r.operands()
+        aq = _quantized(ops["fprop_input"], a)
+        wq = _quantized(ops["fprop_weight"], w)
+        y = _matmul(aq, wq, r)
+        # What the backward copies are made from: the high-precision tensors (TE,
+        # torchao), or the forward's quantized ones where the recipe says so.
+        a_src = aq if r.wgrad_input_from == "fprop" else a
+        w_src = wq if r.dgrad_weight_from == "fprop" else w
+        ctx.save_for_backward(a_src, w_src)
+        ctx.recipe = r
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        a_src, w_src = ctx.saved_tensors
+        r: EmulationRecipe = ctx.recipe
+        ops = r.operands()
+        g = g.to(torch.float32)
+        da = dw = None
+        if ctx.needs_input_grad[0]:  # dgrad: dY [.., M, N] @ (W^T) [.., K, N]^T, reduces N
+            gq = _quantized(ops["dgrad_grad"], g)
+            wq_t = _quantized(ops["dgrad_weight"], _t(w_src))
+            da = _matmul(gq, wq_t, r)
+        if ctx.needs_input_grad[1]:  # wgrad: (dY^T) [.., N, M] @ (X^T) [.., K, M]^T, reduces M
+            g_t, a_t = _rht_pair(_t(g), _t(a_src), r)
+            gq_t = _quantized(ops["wgrad_grad"], g_t)
+            aq_t = _quantized(ops["wgrad_input"], a_t)
+            dw = _matmul(gq_t, aq_t, r)
+        return da, dw, None
+
+
+def _emulated_gemm(a: torch.Tensor, w: torch.Tensor, r: EmulationRecipe) -> torch.Tensor:
+    """``a @ w.T`` as the low-precision GEMMs compute it, forward and backward.
+
+    ``w [N, K]`` (a layer's weight, float32): ``a [..., K]`` is flattened to the tokens
+    ``[M, K]`` (M = the product of the leading dims, e.g. batch x sequence), so wgrad's
+    blocks run along every token. ``w [*B, N, K]`` with ``a [*B, M, K]``: a batched GEMM
+    (attention), batch by batch. Returns float32 ``[..., N]``.
+    """
+    if w.dim() == 2:
+        lead = a.shape[:-1]
+        out: torch.Tensor = _EmulatedGemm.apply(a.reshape(-1, a.shape[-1]), w, r)  # type: ignore[no-untyped-call]
+        return out.reshape(*lead, w.shape[0])
+    if a.shape[:-2] != w.shape[:-2]:
+        raise ValueError(
+            f"batched emulated GEMM: operands' batch dims differ, {tuple(a.shape)} and "
+            f"{tuple(w.shape)}; expand them to one shape first"
+        )
+    batched: torch.Tensor = _EmulatedGemm.apply(a, w, r)  # type: ignore[no-untyped-call]
+    return batched
