@@ -10,6 +10,7 @@ from floatguard.scaling.fake_quant import (
     fake_quant,
     restore,
 )
+from floatguard.scaling.hadamard import random_hadamard_transform, rht_matrix
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.scaling.master import MasterWeights
 from floatguard.scaling.recipes import (
@@ -52,7 +53,9 @@ __all__ = [
     "emulated_sdpa",
     "fake_quant",
     "quant_metrics",
+    "random_hadamard_transform",
     "restore",
+    "rht_matrix",
     "tensor_to_amax",
 ]
 
