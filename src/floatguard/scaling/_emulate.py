@@ -1,0 +1,284 @@
+"""emulate() and restore(): swapping a model's GEMM modules for emulated ones, and the
+hooks around its forward (the SDPA replacement, nn.MultiheadAttention's ``F.linear``).
+
+Moved out of :mod:`floatguard.scaling.fake_quant` (which re-exports ``emulate``,
+``restore`` and ``Coverage``); the emulated modules themselves live there.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from floatguard.scaling._gemm import _emulated_gemm
+from floatguard.scaling.emulation_recipe import EmulationRecipe
+from floatguard.scaling.fake_quant import EmulatedConv, EmulatedLinear, _Emulated, emulated_sdpa
+
+__all__ = ["Coverage", "emulate", "restore"]
+
+
+class _RootHooks:
+    """Root-module hooks around each forward of an emulated model.
+
+    ``attention``: ``F.scaled_dot_product_attention`` is replaced in
+    ``torch.nn.functional`` for the duration of the forward (and put back after it,
+    also when it raises): a TorchFunctionMode would not see the call
+    nn.MultiheadAttention makes inside ``F.multi_head_attention_forward``. A name
+    imported with ``from torch.nn.functional import scaled_dot_product_attention``
+    before emulate() is not replaced; nor are attention matmuls written with
+    ``torch.matmul`` (a forward that calls no SDPA logs a warning once).
+    ``mha``: torch's fused fast paths for nn.MultiheadAttention and
+    nn.TransformerEncoderLayer (eval mode) are turned off during the forward, so the
+    emulated projections are the ones that run. Not thread-safe: two threads running
+    forwards at once would share the replacements."""
+
+    def __init__(self, model: nn.Module, recipe: EmulationRecipe, *, attention: bool,
+                 mha: bool) -> None:  # fmt: skip
+        self.recipe = recipe
+        self.attention = attention
+        self.mha = mha
+        self.depth = 0
+        self.calls = 0
+        self.calls_before = 0
+        self.warned = False
+        self.saved: Any = None
+        self.fastpath = True
+        self.handles = [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def _sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        return emulated_sdpa(*args, recipe=self.recipe, **kwargs)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self.depth == 0:
+            if self.attention:
+                self.calls_before = self.calls
+                self.saved = F.scaled_dot_product_attention
+                F.scaled_dot_product_attention = self._sdpa
+            if self.mha:
+                self.fastpath = torch.backends.mha.get_fastpath_enabled()
+                torch.backends.mha.set_fastpath_enabled(False)
+        self.depth += 1
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth != 0:
+            return
+        if self.mha:
+            torch.backends.mha.set_fastpath_enabled(self.fastpath)
+        if not self.attention:
+            return
+        F.scaled_dot_product_attention = self.saved
+        if self.calls == self.calls_before and not self.warned:
+            self.warned = True
+            logging.getLogger("floatguard").warning(
+                "emulate(attention=True): %s's forward called no "
+                "scaled_dot_product_attention; its attention matmuls (if any, e.g. an "
+                "eager torch.matmul implementation) ran in high precision",
+                type(module).__name__,
+            )
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _MHAHooks:
+    """nn.MultiheadAttention's in- and out-projections emulated: it applies its own
+    parameters with ``F.linear`` inside ``F.multi_head_attention_forward`` (its out_proj
+    module is never called), so ``F.linear`` is the emulated GEMM during its forward."""
+
+    def __init__(self, module: nn.Module, recipe: EmulationRecipe) -> None:
+        self.recipe = recipe
+        self.saved: Any = None
+        self.handles = [
+            module.register_forward_pre_hook(self._enter),
+            module.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = _emulated_gemm(x.float(), weight.float(), self.recipe)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.saved = F.linear
+        F.linear = self._linear  # type: ignore[assignment]
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        F.linear = self.saved
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+_ROOT: weakref.WeakKeyDictionary[nn.Module, _RootHooks] = weakref.WeakKeyDictionary()
+_MHA: weakref.WeakKeyDictionary[nn.Module, _MHAHooks] = weakref.WeakKeyDictionary()
+
+
+class Coverage(list[str]):
+    """What :func:`emulate` swapped (the list of names), what it left in high precision
+    (``left`` maps a module type to the names of its GEMM-like modules that were skipped
+    or cannot be emulated), and whether the attention matmuls are emulated."""
+
+    def __init__(
+        self, swapped: list[str], left: dict[str, list[str]], attention: bool = False
+    ) -> None:
+        super().__init__(swapped)
+        self.left = left
+        self.attention = attention
+
+    def summary(self) -> str:
+        parts = [f"emulated {len(self)} layer(s)"]
+        if self.attention:
+            parts[0] += " and the scaled_dot_product_attention matmuls"
+        parts += [f"left {len(v)} {k} in high precision" for k, v in sorted(self.left.items())]
+        return "; ".join(parts)
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """transformers' Conv1D (matched by name and shape: transformers is not imported)."""
+    w = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+# GEMM-like modules emulate() cannot cover: reported as left in high precision.
+_OTHER_GEMMS = (nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                nn.Bilinear)  # fmt: skip
+_EMULATABLE = (nn.Linear, nn.Conv1d, nn.Conv2d)
+
+
+def _emulated_for(module: nn.Module, recipe: EmulationRecipe) -> _Emulated:
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        return EmulatedConv(module, recipe)
+    return EmulatedLinear(module, recipe)
+
+
+def emulate(
+    model: nn.Module,
+    recipe: EmulationRecipe,
+    *,
+    modules: tuple[type[nn.Module], ...] | None = None,
+    skip: tuple[str, ...] | Callable[[str, nn.Module], bool] | None = None,
+    attention: bool = False,
+) -> Coverage:
+    """Swap matching modules in place for emulated ones; returns what was covered.
+
+    Covered: ``nn.Linear`` (and subclasses), transformers' ``Conv1D`` (GPT-2's linear
+    layers, weight stored (in, out)), ``nn.Conv1d`` and ``nn.Conv2d`` (as implicit GEMMs,
+    :class:`EmulatedConv`), nn.MultiheadAttention's in- and out-projections (its
+    ``F.linear`` calls, through hooks; torch's fused fast paths are turned off while the
+    model runs), or only the ``modules`` given (subclasses of those).
+    ``skip`` is a tuple of name substrings (e.g. ``("head",)`` to keep the LM head in
+    high precision, as DeepSeek-V3 does) or a predicate ``(name, module) -> bool``;
+    None (the default): the recipe's own ``skip`` (``EmulationRecipe.skip``), else none.
+    ``attention=True`` also emulates the two matmuls of every
+    ``F.scaled_dot_product_attention`` the model calls (:func:`emulated_sdpa`; eager
+    attention written with ``torch.matmul`` is not seen, and a forward that calls no SDPA
+    logs a warning once). The result lists the swapped names and, in ``.left``, by module
+    type, the GEMM-like modules left in high precision (skipped, or not emulated:
+    nn.Conv3d, transposed convs, nn.Bilinear); it is also logged (logger "floatguard").
+    Covering nothing raises ValueError saying why: the model would train in full
+    precision while you believe it is emulated.
+    """
+    if not isinstance(recipe, EmulationRecipe):
+        raise TypeError(f"recipe must be an EmulationRecipe, got {type(recipe).__name__}")
+    for m in modules or ():
+        if not (isinstance(m, type) and issubclass(m, (*_EMULATABLE, nn.MultiheadAttention))):
+            raise ValueError(
+                "only subclasses of nn.Linear, nn.Conv1d, nn.Conv2d or nn.MultiheadAttention "
+                f"can be emulated, got {m!r}"
+            )
+    if model in _ROOT:
+        raise ValueError("emulate() was already applied to this model; restore() first")
+    skip = (recipe.skip or ()) if skip is None else skip  # the preset's high-precision layers
+    swapped: list[str] = []
+    left: dict[str, list[str]] = {}
+    n_skipped = 0
+    inside_mha: list[str] = []
+    mha_hooked = False
+    for name, module in list(model.named_modules()):
+        if isinstance(module, _Emulated) or not name:
+            continue
+        if any(name.startswith(p + ".") for p in inside_mha):
+            # MultiheadAttention applies its out_proj's parameters itself: the module is
+            # covered (or left) with its parent, never swapped.
+            if name not in swapped and not any(name.startswith(p + ".") for p in swapped):
+                left.setdefault("MultiheadAttention", []).append(name)
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            inside_mha.append(name)
+            wanted = not modules or isinstance(module, modules)
+            skipped = skip(name, module) if callable(skip) else any(s in name for s in skip)
+            if wanted and not skipped and module not in _MHA:
+                _MHA[module] = _MHAHooks(module, recipe)
+                mha_hooked = True
+                swapped.append(name)
+            else:
+                left.setdefault("MultiheadAttention", []).append(name)
+                n_skipped += bool(skipped)
+            continue
+        covered = isinstance(module, modules) if modules else (
+            isinstance(module, _EMULATABLE) or _is_conv1d(module)
+        )  # fmt: skip
+        if not covered:
+            if isinstance(module, _OTHER_GEMMS) or (modules and isinstance(module, _EMULATABLE)):
+                left.setdefault(type(module).__name__, []).append(name)
+            continue
+        skipped = skip(name, module) if callable(skip) else any(s in name for s in skip)
+        if skipped:
+            left.setdefault(type(module).__name__, []).append(name)
+            n_skipped += 1
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _emulated_for(module, recipe))
+        swapped.append(name)
+    coverage = Coverage(swapped, left, attention)
+    if not swapped and not attention:
+        found = sorted(
+            {type(m).__name__ for _, m in model.named_modules()} - {type(model).__name__}
+        )
+        why = (
+            f"every candidate was skipped ({coverage.summary()})"
+            if n_skipped
+            else "the model has no nn.Linear, Conv1D, nn.Conv1d or nn.Conv2d (it has: "
+            f"{', '.join(found[:8]) or 'no submodule'})"
+        )
+        raise ValueError(f"emulate covered no layer: {why}")
+    if attention or mha_hooked:
+        _ROOT[model] = _RootHooks(model, recipe, attention=attention, mha=mha_hooked)
+    logging.getLogger("floatguard").info("emulate: %s", coverage.summary())
+    return coverage
+
+
+def restore(model: nn.Module) -> list[str]:
+    """Undo :func:`emulate`: put every original module back and stop emulating the
+    attention matmuls; returns the names of the modules put back."""
+    names = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, _Emulated):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.original_module())
+            names.append(name)
+        elif module in _MHA:
+            _MHA.pop(module).remove()
+            names.append(name)
+    hooks = _ROOT.pop(model, None)
+    if hooks is not None:
+        hooks.remove()
+    return names
