@@ -109,8 +109,12 @@ def test_a_transformers_gpt2_is_covered() -> None:
     cov = emulate(model, EmulationRecipe.hybrid_block(), skip=("lm_head",), attention=True)
     per_layer = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
     assert list(cov) == [f"transformer.h.{i}.{n}" for i in range(2) for n in per_layer]
-    assert cov.left == {"Linear": ["lm_head"]} and cov.attention
+    assert cov.left == {"Linear": ["lm_head"]}
+    # attention comes from what ran: nothing yet, then one emulated SDPA call per block
+    assert not cov.attention and "attention requested, no SDPA call seen yet" in cov.summary()
     out = model(ids, labels=ids)
+    assert cov.attention and (cov.sdpa_calls, cov.forwards) == (2, 1)
+    assert "matmuls (2 SDPA call(s) in 1 forward(s))" in cov.summary()
     assert torch.isfinite(out.loss) and out.loss.item() != ref.item()
     out.loss.backward()
     assert model.transformer.h[0].attn.c_attn.weight.grad is not None

@@ -1,5 +1,7 @@
 """How values are kept inside a format's window: loss scaling, master weights, FP8 recipes."""
 
+from floatguard.scaling._emulate import Coverage, is_emulated
+from floatguard.scaling.coverage import Flops, GemmCoverage, GemmRecord, coverage
 from floatguard.scaling.fake_quant import (
     EmulatedConv,
     EmulatedLinear,
@@ -34,6 +36,7 @@ __all__ = [
     "MX",
     "NVFP4",
     "Block",
+    "Coverage",
     "Delayed",
     "DelayedScaler",
     "DynamicLossScaler",
@@ -42,6 +45,9 @@ __all__ = [
     "EmulatedLinear",
     "EmulationRecipe",
     "FakeQuant",
+    "Flops",
+    "GemmCoverage",
+    "GemmRecord",
     "MasterWeights",
     "QuantResult",
     "Rowwise",
@@ -49,9 +55,11 @@ __all__ = [
     "Tensorwise",
     "amax_to_scale",
     "amax_to_scale_and_fallbacks",
+    "coverage",
     "emulate",
     "emulated_sdpa",
     "fake_quant",
+    "is_emulated",
     "quant_metrics",
     "random_hadamard_transform",
     "restore",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,14 @@ from torch import nn
 
 from floatguard.scaling._gemm import _emulated_gemm
 from floatguard.scaling.emulation_recipe import EmulationRecipe
-from floatguard.scaling.fake_quant import EmulatedConv, EmulatedLinear, _Emulated, emulated_sdpa
 
-__all__ = ["Coverage", "emulate", "restore"]
+if TYPE_CHECKING:
+    from floatguard.scaling.fake_quant import _Emulated
+
+# fake_quant (the emulated modules) re-exports emulate/restore/Coverage from here, so its
+# names are imported where used: either module can be imported first.
+
+__all__ = ["Coverage", "emulate", "is_emulated", "restore"]
 
 
 class _RootHooks:
@@ -35,8 +40,9 @@ class _RootHooks:
     ``torch.matmul`` (a forward that calls no SDPA logs a warning once).
     ``mha``: torch's fused fast paths for nn.MultiheadAttention and
     nn.TransformerEncoderLayer (eval mode) are turned off during the forward, so the
-    emulated projections are the ones that run. Not thread-safe: two threads running
-    forwards at once would share the replacements."""
+    emulated projections are the ones that run. ``calls`` counts the emulated SDPA calls,
+    ``forwards`` the model's forwards (what :attr:`Coverage.attention` reads). Not
+    thread-safe: two threads running forwards at once would share the replacements."""
 
     def __init__(self, model: nn.Module, recipe: EmulationRecipe, *, attention: bool,
                  mha: bool) -> None:  # fmt: skip
@@ -45,6 +51,7 @@ class _RootHooks:
         self.mha = mha
         self.depth = 0
         self.calls = 0
+        self.forwards = 0
         self.calls_before = 0
         self.warned = False
         self.saved: Any = None
@@ -56,6 +63,8 @@ class _RootHooks:
 
     def _sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
+        from floatguard.scaling.fake_quant import emulated_sdpa
+
         return emulated_sdpa(*args, recipe=self.recipe, **kwargs)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
@@ -73,6 +82,7 @@ class _RootHooks:
         self.depth -= 1
         if self.depth != 0:
             return
+        self.forwards += 1
         if self.mha:
             torch.backends.mha.set_fastpath_enabled(self.fastpath)
         if not self.attention:
@@ -132,19 +142,56 @@ _MHA: weakref.WeakKeyDictionary[nn.Module, _MHAHooks] = weakref.WeakKeyDictionar
 class Coverage(list[str]):
     """What :func:`emulate` swapped (the list of names), what it left in high precision
     (``left`` maps a module type to the names of its GEMM-like modules that were skipped
-    or cannot be emulated), and whether the attention matmuls are emulated."""
+    or cannot be emulated: RNNs, nn.Conv3d, ...), and, from what ran since, whether the
+    attention matmuls were emulated.
+
+    ``attention`` is live: True once the model's forwards called an emulated
+    ``F.scaled_dot_product_attention`` (``attention_requested``: what emulate() was asked
+    for). It cannot tell an attention written with ``torch.matmul`` in one layer among
+    SDPA calls in others: :func:`floatguard.scaling.coverage` counts the FLOPs that ran."""
 
     def __init__(
-        self, swapped: list[str], left: dict[str, list[str]], attention: bool = False
+        self,
+        swapped: list[str],
+        left: dict[str, list[str]],
+        attention: bool = False,
+        hooks: _RootHooks | None = None,
     ) -> None:
         super().__init__(swapped)
         self.left = left
-        self.attention = attention
+        self.attention_requested = attention
+        self._hooks = hooks
+
+    @property
+    def sdpa_calls(self) -> int:
+        """Emulated SDPA calls since emulate() (0 when attention was not requested)."""
+        return self._hooks.calls if self._hooks is not None and self.attention_requested else 0
+
+    @property
+    def forwards(self) -> int:
+        """The model's forwards since emulate() (counted when attention was requested or an
+        nn.MultiheadAttention hooked; else 0)."""
+        return self._hooks.forwards if self._hooks is not None else 0
+
+    @property
+    def attention(self) -> bool:
+        """Whether an emulated SDPA call ran: requested, and seen in a forward."""
+        return self.sdpa_calls > 0
 
     def summary(self) -> str:
         parts = [f"emulated {len(self)} layer(s)"]
         if self.attention:
-            parts[0] += " and the scaled_dot_product_attention matmuls"
+            parts[0] += (
+                f" and the scaled_dot_product_attention matmuls ({self.sdpa_calls} SDPA "
+                f"call(s) in {self.forwards} forward(s))"
+            )
+        elif self.attention_requested and self.forwards == 0:
+            parts.append("attention requested, no SDPA call seen yet")
+        elif self.attention_requested:
+            parts.append(
+                f"SDPA not called in {self.forwards} forward(s): attention matmuls ran in "
+                "high precision"
+            )
         parts += [f"left {len(v)} {k} in high precision" for k, v in sorted(self.left.items())]
         return "; ".join(parts)
 
@@ -155,13 +202,25 @@ def _is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
 
 
-# GEMM-like modules emulate() cannot cover: reported as left in high precision.
+# GEMM-like modules emulate() cannot cover: reported as left in high precision. RNNs
+# (nn.RNN/LSTM/GRU and their cells) run their gate GEMMs inside torch's RNN ops.
+# nn.Embedding is a gather, not a GEMM.
 _OTHER_GEMMS = (nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-                nn.Bilinear)  # fmt: skip
+                nn.Bilinear, nn.RNNBase, nn.RNNCellBase)  # fmt: skip
 _EMULATABLE = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
 
+def is_emulated(model: nn.Module) -> bool:
+    """Whether :func:`emulate` was applied to ``model`` or to one of its submodules (and
+    not undone by :func:`restore`)."""
+    from floatguard.scaling.fake_quant import _Emulated
+
+    return any(isinstance(m, _Emulated) or m in _MHA or m in _ROOT for m in model.modules())
+
+
 def _emulated_for(module: nn.Module, recipe: EmulationRecipe) -> _Emulated:
+    from floatguard.scaling.fake_quant import EmulatedConv, EmulatedLinear
+
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         return EmulatedConv(module, recipe)
     return EmulatedLinear(module, recipe)
@@ -190,10 +249,17 @@ def emulate(
     attention written with ``torch.matmul`` is not seen, and a forward that calls no SDPA
     logs a warning once). The result lists the swapped names and, in ``.left``, by module
     type, the GEMM-like modules left in high precision (skipped, or not emulated:
-    nn.Conv3d, transposed convs, nn.Bilinear); it is also logged (logger "floatguard").
+    nn.Conv3d, transposed convs, nn.Bilinear, nn.RNN/LSTM/GRU and their cells); its
+    ``attention`` says whether an emulated SDPA call ran (:class:`Coverage`); it is also
+    logged (logger "floatguard"). What ran, FLOP by FLOP:
+    :func:`floatguard.scaling.coverage`.
     Covering nothing raises ValueError saying why: the model would train in full
-    precision while you believe it is emulated.
+    precision while you believe it is emulated. So does a model that is itself one of the
+    covered layers (``emulate(nn.Linear(4, 4), ...)``): modules are swapped in their
+    parent, and the object you hold cannot be replaced; wrap it in an ``nn.Sequential``.
     """
+    from floatguard.scaling.fake_quant import _Emulated
+
     if not isinstance(recipe, EmulationRecipe):
         raise TypeError(f"recipe must be an EmulationRecipe, got {type(recipe).__name__}")
     for m in modules or ():
@@ -204,12 +270,20 @@ def emulate(
             )
     if model in _ROOT:
         raise ValueError("emulate() was already applied to this model; restore() first")
+    if isinstance(model, (*_EMULATABLE, nn.MultiheadAttention)) or _is_conv1d(model):
+        raise ValueError(
+            f"emulate: the model is itself an {type(model).__name__}; emulate() swaps "
+            "submodules in their parent and cannot replace the object you hold: wrap it, "
+            "e.g. model = nn.Sequential(model), then emulate(model, recipe)"
+        )
     skip = (recipe.skip or ()) if skip is None else skip  # the preset's high-precision layers
     swapped: list[str] = []
     left: dict[str, list[str]] = {}
     n_skipped = 0
     inside_mha: list[str] = []
     mha_hooked = False
+    if isinstance(model, _OTHER_GEMMS):  # a bare nn.LSTM, nn.Conv3d, ...: "" is its path
+        left.setdefault(type(model).__name__, []).append("")
     for name, module in list(model.named_modules()):
         if isinstance(module, _Emulated) or not name:
             continue
@@ -249,9 +323,8 @@ def emulate(
         swapped.append(name)
     coverage = Coverage(swapped, left, attention)
     if not swapped and not attention:
-        found = sorted(
-            {type(m).__name__ for _, m in model.named_modules()} - {type(model).__name__}
-        )
+        found = sorted({type(m).__name__ for n, m in model.named_modules()
+                        if n or isinstance(m, _OTHER_GEMMS)})  # fmt: skip
         why = (
             f"every candidate was skipped ({coverage.summary()})"
             if n_skipped
@@ -261,6 +334,7 @@ def emulate(
         raise ValueError(f"emulate covered no layer: {why}")
     if attention or mha_hooked:
         _ROOT[model] = _RootHooks(model, recipe, attention=attention, mha=mha_hooked)
+        coverage = Coverage(swapped, left, attention, _ROOT[model])
     logging.getLogger("floatguard").info("emulate: %s", coverage.summary())
     return coverage
 
@@ -268,6 +342,8 @@ def emulate(
 def restore(model: nn.Module) -> list[str]:
     """Undo :func:`emulate`: put every original module back and stop emulating the
     attention matmuls; returns the names of the modules put back."""
+    from floatguard.scaling.fake_quant import _Emulated
+
     names = []
     for name, module in list(model.named_modules()):
         if isinstance(module, _Emulated):
