@@ -3,34 +3,58 @@
 Convention (Transformer Engine's): a *scale* ``s`` multiplies values into the
 format's range, ``q = quantize(x * s) / s``. Every recipe returns the fake-quantized
 tensor (values the low-precision format would give back, in x's dtype) and the
-scales it used.
+scales it used (:class:`QuantResult`).
 
 One policy for a degenerate amax, in every recipe: a scale is never NaN or inf.
 An amax of 0 (an all-zero tensor or block) or a non-finite amax gives scale 1.0
 (current scaling) or keeps the previous scale (delayed scaling); the number of
 such fallbacks is reported (``fallbacks``) so the caller can record an event. The
-references disagree here: Transformer Engine keeps the previous scale, torchao
-clamps amax to 1e-12 (so an all-zero tensor gets a scale of 4.5e14, and an inf
-amax a scale of 0, which turns inf into NaN), DeepSeek's reference kernel divides
-by zero.
+references: Transformer Engine's current scaling returns 1.0 for an amax that is 0,
+inf or NaN (``compute_scale_from_amax``, ``transformer_engine/common/recipe/
+recipe_common.cuh``) and, its amax kernels skipping NaN elements (``fmaxf``), never
+sees a NaN amax from NaN elements; its delayed scaling keeps the previous scale
+(``delayed_scaling.cu``). torchao clamps amax to 1e-12 (so an all-zero tensor gets a
+scale of 4.5e14, and an inf amax a scale of 0, which turns inf into NaN); DeepSeek's
+reference kernel divides by zero. ``nan_policy="skip_elements"`` (Tensorwise, Rowwise,
+Block, Delayed) takes TE's NaN-skipping amax; the default ``"propagate"`` lets a NaN
+element make its amax NaN, so the fallback shows it.
 
 Formats and recipes (references in the docstrings):
-``Tensorwise``, ``Rowwise``, ``Delayed`` (+ ``DelayedScaler``), ``Block``
-(1x128 / 128x128, DeepSeek-V3), ``MX`` (32-element blocks, E8M0 scales; floor,
-ceil, even, rceil), ``NVFP4`` (16-element e2m1 blocks, e4m3 block scales, fp32
-tensor scale), ``EMAScaler`` (the lessons' (docs/lessons.md) dynamic scaler, with a real FP8 cast).
+``Tensorwise``, ``Rowwise``, ``Delayed`` (+ ``DelayedScaler``, in ``_delayed``),
+``Block`` (1x128 / 128x128, DeepSeek-V3), ``MX`` (32-element blocks, E8M0 scales;
+floor, ceil, even, rceil), ``NVFP4`` (16-element e2m1 blocks, e4m3 block scales, fp32
+tensor scale, in ``_nvfp4``), ``EMAScaler`` (the lessons' (docs/lessons.md) dynamic
+scaler, with a real FP8 cast). The shared pieces (amax, scale, result) are in ``_core``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 
 from floatguard.formats.registry import Format, get
 from floatguard.formats.rounding import quantize
+from floatguard.scaling._core import (
+    FLT_MAX,
+    FLT_MIN,
+    NanPolicy,
+    QuantResult,
+    TensorRecipe,
+    _amax_and_skipped,
+    _blocks_last,
+    _check_nan_policy,
+    _no_skips,
+    amax_to_scale,
+    amax_to_scale_and_fallbacks,
+    tensor_to_amax,
+)
+from floatguard.scaling._delayed import AmaxAlgo as AmaxAlgo
+from floatguard.scaling._delayed import Delayed, DelayedScaler
+from floatguard.scaling._nvfp4 import NVFP4
+from floatguard.scaling._nvfp4 import NVFP4Rounding as NVFP4Rounding
 
 __all__ = [
     "MX",
@@ -39,6 +63,7 @@ __all__ = [
     "Delayed",
     "DelayedScaler",
     "EMAScaler",
+    "NanPolicy",
     "QuantResult",
     "Rowwise",
     "TensorRecipe",
@@ -49,100 +74,9 @@ __all__ = [
     "tensor_to_amax",
 ]
 
-
-@dataclass(frozen=True)
-class QuantResult:
-    """A fake-quantized tensor, the scales used (shape per recipe), and how many scales
-    fell back because their amax was 0 or non-finite (a device int, no sync)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    fallbacks: torch.Tensor
-
-
-FLT_MAX = float.fromhex("0x1.fffffep127")  # float32's largest value, ~3.4028e38
-FLT_MIN = 2.0**-126  # float32's smallest normal
 MXScaleMode = Literal["floor", "ceil", "even", "rceil"]
-AmaxAlgo = Literal["max", "most_recent"]
 BlockScale = Literal["fp32", "pow2"]
 ScaleStorage = Literal["encode", "decode_mul", "decode_div"]
-
-
-def amax_to_scale(
-    amax: torch.Tensor,
-    fmt: str | Format,
-    *,
-    margin: float = 0,
-    eps: float = 0.0,
-    power_of_two: bool = False,
-    fallback: torch.Tensor | float = 1.0,
-) -> torch.Tensor:
-    """``fmt.max / max(amax, eps) / 2**margin`` as float32, or ``fallback`` where amax is 0
-    (with ``eps=0``) or not finite. See :func:`amax_to_scale_and_fallbacks`."""
-    return amax_to_scale_and_fallbacks(
-        amax, fmt, margin=margin, eps=eps, power_of_two=power_of_two, fallback=fallback
-    )[0]
-
-
-def amax_to_scale_and_fallbacks(
-    amax: torch.Tensor,
-    fmt: str | Format,
-    *,
-    margin: float = 0,
-    eps: float = 0.0,
-    power_of_two: bool = False,
-    fallback: torch.Tensor | float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scales for ``amax``, and a bool mask of those that fell back.
-
-    - The scale is ``fmt.max / max(amax, eps) / 2**margin`` rounded *once* to float32
-      (the correctly rounded quotient, as Transformer Engine's ``__fdiv_rn``): the
-      division runs in float64 and is rounded to float32, which is exact rounding for
-      a quotient of float32 values (53 >= 2 * 24 + 2 bits; Figueroa, "When is double
-      rounding innocuous?", 1995). torch's ``scalar / tensor`` is
-      ``reciprocal(amax) * max``, two roundings, 1 ulp off for ~38% of amaxes.
-    - ``power_of_two``: the largest power of two ``s`` with ``amax * s <= fmt.max /
-      2**margin``, from the exponent bits (``frexp``), never through a float32 ``log2``.
-    - A tiny but finite amax whose quotient overflows float32 gets ``FLT_MAX`` (TE's
-      ``value_for_inf``; ``2**127`` for powers of two), so its values are kept rather
-      than flushed by a scale of 1; it counts as a fallback.
-    - ``eps=0`` is Transformer Engine's formula (amax 0 falls back), ``eps=1e-12``
-      torchao's (amax 0 gives ``fmt.max / 1e-12``). Non-finite amax falls back.
-
-    Float32 scales on amax's device, no sync.
-    """
-    f = get(fmt)
-    a = amax.to(torch.float32)
-    denom = torch.clamp(a, min=eps) if eps > 0 else a
-    d64 = denom.to(torch.float64)
-    q = f.max / d64 / (2.0**margin)  # exact in float64 up to one rounding
-    usable = torch.isfinite(a) & (d64 > 0)
-    if power_of_two:
-        _, e = torch.frexp(q)  # q = m * 2**e, m in [0.5, 1): 2**(e - 1) <= q
-        s = torch.ldexp(torch.ones_like(q), e - 1)
-        # q was rounded: where it rounded up onto a power of two, amax * s is past max.
-        s = torch.where(d64 * s * (2.0**margin) > f.max, s * 0.5, s)
-        big = s > 2.0**127
-        scale = torch.where(big, torch.full_like(s, 2.0**127), s).to(torch.float32)
-        overflow = big
-    else:
-        overflow = q > FLT_MAX
-        scale = torch.where(overflow, torch.full_like(q, FLT_MAX), q).to(torch.float32)
-    fb = torch.as_tensor(fallback, dtype=torch.float32, device=a.device)
-    scale = torch.where(usable, scale, fb)
-    return scale, ~usable | (usable & overflow)
-
-
-def tensor_to_amax(
-    x: torch.Tensor, dim: int | tuple[int, ...] | None = None, *, keepdim: bool = False
-) -> torch.Tensor:
-    """``max |x|`` in float32, over ``dim`` (all of x when None; 0 for an empty tensor).
-    NaN propagates (a NaN amax is a fallback downstream). Detached, no sync. The one
-    amax expression of every recipe (torchao's ``tensor_to_amax``)."""
-    a = x.detach().abs()
-    if dim is None:
-        return a.amax().float() if x.numel() else torch.zeros((), device=x.device)
-    return a.amax(dim=dim, keepdim=keepdim).float()
 
 
 def _fq(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -159,8 +93,11 @@ def _decode_scale(
     DeepSeek-V3's and DeepGEMM's casts compute it), and a mask of those that fell back.
 
     ``power_of_two``: UE8M0 scales, ``2**ceil(log2(sf))`` with the exponent taken exactly
-    from the bits (DeepGEMM's ``ceil_to_ue8m0`` goes through a float32 ``log2``, which
-    can land on the integer just above a power of two; we never do). An amax of 0 (with
+    from the bits, as DeepGEMM's current ``ceil_to_ue8m0`` does (``deep_gemm/utils/
+    math.py``: the exponent field, plus one where the mantissa is not 0, clamped to
+    [1, 254]); DeepGEMM before April 2026 and DeepSeek-V3's ``act_quant``
+    (``inference/kernel.py``) take ``ceil(log2(sf))`` in float32, which can land on the
+    integer just above a power of two. An amax of 0 (with
     ``eps=0``) or non-finite falls back to 1.0; an ``sf`` below float32's smallest normal
     (whose reciprocal would overflow; the references give inf there) is raised to it and
     counted as a fallback.
@@ -186,18 +123,22 @@ def _scaled_quantize(
     eps: float,
     power_of_two: bool,
     storage: ScaleStorage,
+    value_for_inf: float = FLT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fake-quantize x (float32) with scales from ``amax`` (broadcastable to x), in the
     ``storage`` convention; returns (values, the scales as stored, fallback mask).
 
     - ``"encode"`` (Transformer Engine, torchao): ``s = fmt.max / amax``,
-      ``quantize(x * s) / s``; the stored scale is s.
+      ``quantize(x * s) / s``; the stored scale is s (``value_for_inf`` where the
+      quotient overflows).
     - ``"decode_mul"`` (DeepGEMM's ``per_token_cast_to_fp8`` / ``per_block_cast_to_fp8``):
       ``sf = amax / fmt.max``, ``quantize(x * (1 / sf)) * sf``; the stored scale is sf.
     - ``"decode_div"`` (DeepSeek-V3's inference ``act_quant``): ``quantize(x / sf) * sf``.
     """
     if storage == "encode":
-        s, fell = amax_to_scale_and_fallbacks(amax, fmt, eps=eps, power_of_two=power_of_two)
+        s, fell = amax_to_scale_and_fallbacks(
+            amax, fmt, eps=eps, power_of_two=power_of_two, value_for_inf=value_for_inf
+        )
         return _fq(x, s, fmt), s, fell
     sf, fell = _decode_scale(amax, fmt, eps=eps, power_of_two=power_of_two)
     xf = x.to(torch.float32)
@@ -256,77 +197,63 @@ def quant_metrics(
     return out
 
 
-def _blocks_last(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
-    """View x's last dim as [..., nblocks, block] (zero-padded); returns the pad."""
-    k = x.shape[-1]
-    pad = (-k) % block
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, block), pad
-
-
-class TensorRecipe:
-    """How *one tensor* is scaled and quantized (Tensorwise, Rowwise, Block, MX, NVFP4):
-    ``__call__(x) -> QuantResult``. Not to be confused with
-    :class:`~floatguard.scaling.EmulationRecipe`, which picks a TensorRecipe for each
-    operand of a GEMM (activation, weight, gradient). Called ``Recipe`` in 0.1.0;
-    that name still works, with a DeprecationWarning."""
-
-    def __call__(self, x: torch.Tensor) -> QuantResult:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """Just the fake-quantized values, in x's dtype."""
-        return self(x).values.to(x.dtype)
-
-
 @dataclass(frozen=True)
 class Tensorwise(TensorRecipe):
     """One scale for the whole tensor from its current amax (TE Float8CurrentScaling,
-    torchao tensorwise)."""
+    torchao tensorwise). A quotient that overflows float32 gets FLT_MAX, whatever the
+    input dtype (TE's ``compute_scale_from_amax_kernel`` passes FLT_MAX).
+
+    ``nan_policy``: ``"propagate"`` (default): a NaN element makes the amax NaN and the
+    scale falls back to 1.0, counted; ``"skip_elements"``: TE's amax, which skips NaN
+    elements (``fmaxf``), counted in ``QuantResult.nan_skipped``. NaN elements come back
+    NaN either way."""
 
     fmt: str = "e4m3fn"
     power_of_two: bool = False
     eps: float = 0.0
     storage: ScaleStorage = "encode"
+    nan_policy: NanPolicy = "propagate"
 
     def __post_init__(self) -> None:
         get(self.fmt)
         _check_storage("Tensorwise", self.storage, self.eps)
+        _check_nan_policy("Tensorwise", self.nan_policy)
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
-        amax = tensor_to_amax(x)
+        amax, skipped = _amax_and_skipped(x, None, self.nan_policy)
         q, scale, fell = _scaled_quantize(
             x, amax, f, eps=self.eps, power_of_two=self.power_of_two, storage=self.storage
         )
-        return QuantResult(q.to(x.dtype), scale, fell.sum())
+        return QuantResult(q.to(x.dtype), scale, fell.sum(), skipped)
 
 
 @dataclass(frozen=True)
 class Rowwise(TensorRecipe):
     """One scale per slice along ``axis`` (torchao rowwise: per row of activations, per
-    output channel of weights)."""
+    output channel of weights). ``nan_policy`` as :class:`Tensorwise`, per slice."""
 
     fmt: str = "e4m3fn"
     axis: int = -1
     power_of_two: bool = False
     eps: float = 0.0
     storage: ScaleStorage = "encode"
+    nan_policy: NanPolicy = "propagate"
 
     def __post_init__(self) -> None:
         get(self.fmt)
         _check_storage("Rowwise", self.storage, self.eps)
         if isinstance(self.axis, bool) or not isinstance(self.axis, int):
             raise ValueError(f"Rowwise.axis={self.axis!r} must be an int")
+        _check_nan_policy("Rowwise", self.nan_policy)
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.fmt)
-        amax = tensor_to_amax(x, self.axis, keepdim=True)
+        amax, skipped = _amax_and_skipped(x, self.axis, self.nan_policy)
         q, scale, fell = _scaled_quantize(
             x, amax, f, eps=self.eps, power_of_two=self.power_of_two, storage=self.storage
         )
-        return QuantResult(q.to(x.dtype), scale, fell.sum())
+        return QuantResult(q.to(x.dtype), scale, fell.sum(), skipped)
 
 
 @dataclass(frozen=True)
@@ -339,13 +266,23 @@ class Block(TensorRecipe):
     1e-4). ``storage``: ``"encode"`` (TE's convention, the default), ``"decode_mul"``
     (DeepGEMM: store ``sf = amax / 448``, cast ``x * (1 / sf)``) or ``"decode_div"``
     (DeepSeek-V3's ``act_quant``: ``x / sf``); the scales returned are the stored ones.
-    Partial blocks at the edges are fine (zero padding does not change amax)."""
+    Partial blocks at the edges are fine (zero padding does not change amax).
+
+    With ``"encode"`` storage, a block whose quotient ``fmt.max / amax`` overflows float32
+    gets TE's ``value_for_inf`` for block scaling, the *input* dtype's max
+    (``compute_scale_from_types``, ``transformer_engine/common/recipe/
+    recipe_common.cuh``): bf16's ``0x7f7f0000`` (3.3895e38) for bf16 inputs, FLT_MAX for
+    float32 ones, fp16's 65504 for fp16 ones (never reached: fp16's smallest amax, 2**-24,
+    gives a finite quotient); ``"pow2"`` masks it to ``2**127`` (``2**15`` for fp16).
+    ``nan_policy`` as :class:`Tensorwise`, per block (TE's block casts skip NaN elements:
+    ``"skip_elements"``)."""
 
     fmt: str = "e4m3fn"
     block: tuple[int, int] = (1, 128)
     scale: BlockScale = "fp32"
     eps: float = 0.0
     storage: ScaleStorage = "encode"
+    nan_policy: NanPolicy = "propagate"
 
     def __post_init__(self) -> None:
         get(self.fmt)
@@ -354,6 +291,7 @@ class Block(TensorRecipe):
         if self.scale not in get_args(BlockScale):
             raise ValueError(f"Block.scale={self.scale!r}; use 'fp32' or 'pow2'")
         _check_storage("Block", self.storage, self.eps)
+        _check_nan_policy("Block", self.nan_policy)
 
     @classmethod
     def deepgemm_activation(cls, ue8m0: bool = False) -> Block:
@@ -384,14 +322,22 @@ class Block(TensorRecipe):
         pr, pc = (-rows) % br, (-cols) % bc
         xp = torch.nn.functional.pad(x2.float(), (0, pc, 0, pr))
         blocks = xp.reshape((rows + pr) // br, br, (cols + pc) // bc, bc)
-        amax = tensor_to_amax(blocks, (1, 3), keepdim=True)
+        amax, skipped = _amax_and_skipped(blocks, (1, 3), self.nan_policy)
         q, s, fell = _scaled_quantize(
             blocks, amax, f, eps=self.eps, power_of_two=self.scale == "pow2",
-            storage=self.storage,
+            storage=self.storage, value_for_inf=_value_for_inf(x.dtype),
         )  # fmt: skip
         q = q.reshape(rows + pr, cols + pc)
         q = q[:rows, :cols].reshape(x.shape).to(x.dtype)
-        return QuantResult(q, s.reshape(amax.shape[0], amax.shape[2]), fell.sum())
+        return QuantResult(q, s.reshape(amax.shape[0], amax.shape[2]), fell.sum(), skipped)
+
+
+def _value_for_inf(dtype: torch.dtype) -> float:
+    """TE's ``TypeInfo<IType>::max_finite_value``: the input dtype's max (bf16, fp16), else
+    FLT_MAX (float32; TE takes no float64 input, floatguard treats it as float32)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return float(torch.finfo(dtype).max)
+    return FLT_MAX
 
 
 @dataclass(frozen=True)
@@ -462,159 +408,8 @@ class MX(TensorRecipe):
         if pad:
             q = q[..., : x.shape[-1]]
         fell = (amax == 0) | ~torch.isfinite(amax)
-        return QuantResult(q.reshape(x.shape).to(x.dtype), scale.squeeze(-1), fell.sum())
-
-
-NVFP4Rounding = Literal["nearest", "stochastic"]
-
-
-@dataclass(frozen=True)
-class NVFP4(TensorRecipe):
-    """NVIDIA NVFP4: 16-element blocks of e2m1, each with an e4m3 scale, under one fp32
-    per-tensor scale. Encode scale ``S = (6 * 448) / amax_tensor``; a block's decode scale
-    ``amax_block / 6`` is stored as ``e4m3(amax_block / 6 * S)``; elements are
-    ``e2m1(x * S / stored)``; values come back as ``q * stored / S``.
-
-    ``two_d``: square ``block x block`` tiles over the last two dims (a 2-D weight's
-    16x16 tiles, as NVIDIA's NVFP4 training recipe scales weights so that W and W^T
-    quantize alike); otherwise 1 x ``block`` along the last dim (activations, gradients).
-    ``rounding="stochastic"``: the e2m1 elements round stochastically (unbiased: the
-    recipe's choice for gradients); the scales still round to nearest. The draws come
-    from torch's default generator (seed it with ``torch.manual_seed``)."""
-
-    block: int = 16
-    two_d: bool = False
-    rounding: NVFP4Rounding = "nearest"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"NVFP4.block={self.block!r} must be a positive int")
-        if self.rounding not in get_args(NVFP4Rounding):
-            raise ValueError(f"NVFP4.rounding={self.rounding!r}; use 'nearest' or 'stochastic'")
-
-    def _tiles(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(tiles, per-tile amax broadcastable to tiles, a function back to x's shape)."""
-        if not self.two_d:
-            blocks, _ = _blocks_last(xf, self.block)
-            cols = xf.shape[-1]
-
-            def back_1d(q: torch.Tensor) -> torch.Tensor:
-                return q.reshape(*q.shape[:-2], -1)[..., :cols].reshape(xf.shape)
-
-            return blocks, tensor_to_amax(blocks, -1, keepdim=True), back_1d
-        x2 = xf.reshape(-1, xf.shape[-1]) if xf.dim() >= 2 else xf.reshape(1, -1)
-        rows, cols = x2.shape
-        b = self.block
-        pr, pc = (-rows) % b, (-cols) % b
-        xp = torch.nn.functional.pad(x2, (0, pc, 0, pr))
-        tiles = xp.reshape((rows + pr) // b, b, (cols + pc) // b, b)
-
-        def back_2d(q: torch.Tensor) -> torch.Tensor:
-            return q.reshape(rows + pr, cols + pc)[:rows, :cols].reshape(xf.shape)
-
-        return tiles, tensor_to_amax(tiles, (1, 3), keepdim=True), back_2d
-
-    def __call__(self, x: torch.Tensor) -> QuantResult:
-        e2m1, e4m3 = get("e2m1fn"), get("e4m3fn")
-        xf = x.float()
-        amax_t = tensor_to_amax(xf)
-        # One correctly rounded quotient (float64, rounded once to float32); a tiny amax
-        # whose quotient overflows float32 gets FLT_MAX, never inf (which would turn the
-        # whole tensor into zeros).
-        q64 = (e2m1.max * e4m3.max) / amax_t.to(torch.float64)
-        ok = torch.isfinite(amax_t) & (amax_t > 0)
-        s_enc = torch.where(
-            ok, torch.clamp(q64, max=FLT_MAX).to(torch.float32), torch.ones_like(amax_t)
-        )
-        fell = ~ok | (ok & (q64 > FLT_MAX))
-        tiles, amax_b, back = self._tiles(xf)
-        stored = quantize(amax_b / e2m1.max * s_enc, e4m3, overflow="saturate")
-        dec = stored / s_enc  # the block's decode scale in real units
-        safe = torch.where(dec > 0, dec, torch.ones_like(dec))
-        q = quantize(tiles / safe, e2m1, rounding=self.rounding, overflow="saturate") * safe
-        q = torch.where(dec > 0, q, torch.zeros_like(q))
-        values = back(q).to(x.dtype)
-        # scales: the fp32 tensor scale, then every stored e4m3 block scale
-        scales = torch.cat([s_enc.reshape(1), stored.reshape(-1)])
-        return QuantResult(values, scales, fell.sum())
-
-
-@dataclass(frozen=True)
-class Delayed:
-    """Delayed scaling (TE DelayedScaling): the scale for this step comes from the amax
-    history of previous steps, ``fmt.max / amax_h / 2**margin`` with ``amax_h`` the max
-    (``algo="max"``) or the most recent entry of the last ``history_len`` amaxes.
-
-    ``margin`` may be fractional (``2**0.5`` of headroom). ``skip_nonfinite``: the history
-    maximum ignores NaN/inf entries (TE's NaN-skipping reduction), so one bad step does
-    not freeze the scale for ``history_len`` steps; by default a non-finite maximum keeps
-    the previous scale (TE's plain rule), counted as a fallback."""
-
-    fmt: str = "e4m3fn"
-    history_len: int = 16
-    algo: AmaxAlgo = "max"
-    margin: float = 0
-    skip_nonfinite: bool = False
-
-    def __post_init__(self) -> None:
-        get(self.fmt)
-        if not isinstance(self.history_len, int) or self.history_len < 1:
-            raise ValueError(f"Delayed.history_len={self.history_len!r} must be an int >= 1")
-        if self.algo not in get_args(AmaxAlgo):
-            raise ValueError(f"Delayed.algo={self.algo!r}; use 'max' or 'most_recent'")
-        if (
-            isinstance(self.margin, bool)
-            or not isinstance(self.margin, (int, float))
-            or (not math.isfinite(self.margin))
-        ):
-            raise ValueError(f"Delayed.margin={self.margin!r} must be a finite number")
-
-    def scaler(self) -> DelayedScaler:
-        return DelayedScaler(self)
-
-
-@dataclass
-class DelayedScaler:
-    """State of a :class:`Delayed` recipe: the amax history and the current scale (device).
-
-    ``__call__(x)`` quantizes with the current scale, records x's amax, and computes
-    the next scale; an amax of 0 or non-finite keeps the previous scale (TE's rule).
-    """
-
-    recipe: Delayed
-    history: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-    steps: int = field(default=0)
-
-    def __call__(self, x: torch.Tensor) -> QuantResult:
-        f = get(self.recipe.fmt)
-        if self.history is None or self.scale is None:
-            self.history = torch.zeros(self.recipe.history_len, device=x.device)
-            self.scale = torch.ones((), device=x.device)
-        values = _fq(x, self.scale, f).to(x.dtype)
-        used = self.scale.clone()
-        amax = tensor_to_amax(x)
-        self.history = torch.roll(self.history, 1)
-        self.history[0] = amax
-        self.steps += 1
-        h = self.history
-        if self.recipe.skip_nonfinite:  # the largest finite entry (0 when none: falls back)
-            h = torch.where(torch.isfinite(h), h, torch.zeros_like(h))
-        amax_h = h.amax() if self.recipe.algo == "max" else h[0]
-        self.scale, fell = amax_to_scale_and_fallbacks(
-            amax_h, f, margin=self.recipe.margin, fallback=self.scale
-        )
-        return QuantResult(values, used, fell.sum())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "history": None if self.history is None else self.history.clone(),
-            "scale": None if self.scale is None else self.scale.clone(),
-            "steps": self.steps,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.history, self.scale, self.steps = sd["history"], sd["scale"], int(sd["steps"])
+        values = q.reshape(x.shape).to(x.dtype)
+        return QuantResult(values, scale.squeeze(-1), fell.sum(), _no_skips(x))
 
 
 @dataclass
@@ -643,7 +438,7 @@ class EMAScaler:
             new = self.smoothing * self.amax_ema + (1 - self.smoothing) * amax
             self.amax_ema = torch.where(ok, new, self.amax_ema)
         scale, fell = amax_to_scale_and_fallbacks(self.amax_ema, f, margin=self.margin)
-        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum())
+        return QuantResult(_fq(x, scale, f).to(x.dtype), scale, fell.sum(), _no_skips(x))
 
     def state_dict(self) -> dict[str, Any]:
         """The EMA of the amax (None before the first call), like DelayedScaler's."""
