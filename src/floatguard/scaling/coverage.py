@@ -55,7 +55,7 @@ from floatguard.scaling._gemm_flops import GEMM_OPS, looks_like_gemm
 from floatguard.scaling._gemm_tag import is_emulating
 from floatguard.scaling.emulation_recipe import EmulationRecipe
 
-__all__ = ["OUTSIDE", "Flops", "GemmCoverage", "GemmRecord", "coverage"]
+__all__ = ["OUTSIDE", "Flops", "GemmCoverage", "GemmRecord", "Phase", "coverage"]
 
 Phase = Literal["forward", "backward"]
 
