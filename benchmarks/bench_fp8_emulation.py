@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from floatguard.demo import train_tiny
-from floatguard.scaling import EmulationRecipe, emulate
+from floatguard.scaling import EmulationRecipe
+from floatguard.scaling import coverage as audit_coverage
 from floatguard.scaling.fake_quant import EmulatedLinear
 
 
@@ -40,36 +46,66 @@ def linear_seconds(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def coverage(attention: bool) -> tuple[str, str]:
-    """Layers the emulated runs cover (the LM head stays high precision, as in
-    train_tiny) and their share of the GEMM FLOPs per token: 2 * in * out per weight GEMM,
-    2 * 2 * T * d per layer for the attention matmuls (q k^T and p v)."""
-    from floatguard.demo import GPT, TINY
+def run_recipe(run: Callable[[], float]) -> tuple[EmulationRecipe | None, bool]:
+    """What a row's run trains under: the recipe and ``attention`` its ``train_tiny`` call
+    is given (the call is recorded, not run)."""
+    calls: list[tuple[EmulationRecipe | None, bool]] = []
 
+    def record(recipe: EmulationRecipe | None = None, **kwargs: Any) -> float:
+        calls.append((recipe, bool(kwargs.get("attention", False))))
+        return 0.0
+
+    with mock.patch.object(sys.modules[__name__], "train_tiny", record):
+        run()
+    return calls[0]
+
+
+def coverage(recipe: EmulationRecipe, attention: bool) -> tuple[str, str]:
+    """The "layers emulated" and "GEMM FLOPs emulated" columns, measured: one training
+    step of the tiny GPT (train_tiny's model, batch and loss; the recipe's skip, else the
+    LM head, as train_tiny keeps it) under the dispatch-level audit
+    (floatguard.scaling.coverage), forward + backward. A layer counts as emulated when
+    every GEMM FLOP it ran was (an attention module's SDPA matmuls are its own)."""
+    from floatguard.demo import GPT, TINY
+    from floatguard.demo.model import synthetic_batch
+
+    torch.manual_seed(0)
     model = GPT(TINY)
-    total = {name: m.in_features * m.out_features for name, m in model.named_modules()
-             if isinstance(m, nn.Linear)}  # fmt: skip
-    attn = 2 * TINY.block_size * TINY.n_embd * TINY.n_layer
-    covered = emulate(model, EmulationRecipe.hybrid_block(), skip=("head",), attention=attention)
-    done = sum(total[n] for n in covered) + (attn if attention else 0)
-    share = done / (sum(total.values()) + attn)
-    return f"{len(covered)} of {len(total)}" + (" + SDPA" if attention else ""), f"{share:.0%}"
+    batch = synthetic_batch(TINY, 16, generator=torch.Generator().manual_seed(0))
+    skip = ("head",) if recipe.skip is None else recipe.skip  # as train_tiny does
+
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]).float().reshape(-1, TINY.vocab_size), b[1].reshape(-1))
+
+    cov = audit_coverage(model, batch, recipe, loss_fn=loss_fn, skip=skip, attention=attention)
+    per_module = cov.by_module()
+    full = sum(f.emulated == f.total for f in per_module.values())
+    return f"{full} of {len(per_module)}", f"{cov.share:.1%}"
 
 
 def gpt2_coverage() -> str | None:
-    """emulate() on a GPT-2 built from a config (transformers' Conv1D), or None when
-    transformers is not installed (the floatguard[hf] extra)."""
+    """The audit on a GPT-2 built from a config (transformers' Conv1D; the LM head
+    skipped, attention=True), with SDPA and with eager attention (torch.matmul: no SDPA
+    call to emulate); None when transformers is not installed (the floatguard[hf] extra)."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         return None
-    cfg = GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0,
-        eos_token_id=0,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(cfg)
-    covered = emulate(model, EmulationRecipe.hybrid_block(), skip=("lm_head",), attention=True)
-    return covered.summary()
+    lines = []
+    for impl in ("sdpa", "eager"):
+        cfg = GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0,
+            eos_token_id=0, attn_implementation=impl,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg)
+        ids = torch.randint(0, 128, (4, 32))
+        cov = audit_coverage(
+            model, {"input_ids": ids, "labels": ids}, EmulationRecipe.hybrid_block(),
+            skip=("lm_head",), attention=True,
+        )  # fmt: skip
+        lines.append(f"- {impl} attention: {cov.summary()}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -102,13 +138,16 @@ def main() -> None:
     print("| tiny GPT, 300 steps, same seed | held-out loss | vs fp32 | layers emulated "
           "| GEMM FLOPs emulated |")  # fmt: skip
     print("|---|---:|---:|---:|---:|")
-    cov, cov_attn = coverage(False), coverage(True)
+    audits: dict[tuple[EmulationRecipe, bool], tuple[str, str]] = {}
     for name, loss in losses.items():
-        emulated = name not in ("fp32", "bf16 autocast")
-        layers, share = (cov_attn if "SDPA" in name else cov) if emulated else ("-", "-")
+        recipe, attention = run_recipe(runs[name])
+        if recipe is not None and (recipe, attention) not in audits:
+            audits[recipe, attention] = coverage(recipe, attention)
+        layers, share = ("-", "-") if recipe is None else audits[recipe, attention]
         print(f"| {name} | {loss:.4f} | {(loss / ref - 1) * 100:+.2f}% | {layers} | {share} |")
     gpt2 = gpt2_coverage()
-    print(f"\nGPT-2 from a config (Conv1D): {gpt2 or 'transformers not installed'}")
+    print(f"\nGPT-2 from a config (Conv1D), HYBRID block, LM head skipped, attention=True:"
+          f"\n{gpt2 or 'transformers not installed'}")  # fmt: skip
     torch.manual_seed(0)
     lin = nn.Linear(4096, 4096)
     x = torch.randn(2048, 4096)
