@@ -1,10 +1,13 @@
 """Low-precision emulation: training quality per recipe, and the cost of an emulated Linear.
 
 1. The tiny GPT (2 layers, d=64, T=32) trained 300 steps with the same seed: held-out
-   loss in fp32, bf16 autocast, and under emulated tensor-wise FP8, DeepSeek-style
-   block FP8 (HYBRID: e5m2 gradients; also with the SDPA matmuls emulated), DeepGEMM's
-   decode-scale casts, MXFP8 (scale rounded up, and OCP's floor), NVIDIA's NVFP4
-   training recipe; with the layers and the share of GEMM FLOPs each run emulates.
+   loss in fp32, bf16 autocast, and under every EmulationRecipe preset (each of its
+   three GEMMs per layer quantized as its reference does, docs/fp8.md): tensor-wise and
+   row-wise FP8, TE's block scaling (also with the SDPA matmuls emulated), DeepSeek-V3,
+   DeepGEMM's casts, MXFP8 (scale rounded up, and OCP's floor), NVFP4 forward-only, and
+   NVIDIA's NVFP4 training recipe with its ablations (without the Hadamard transform,
+   without stochastic rounding, without 16x16 weight tiles, with a BF16 last layer);
+   with the layers and the share of GEMM FLOPs each run emulates.
    A GPT-2 built from a transformers config (Conv1D layers) shows its coverage too.
 2. An emulated Linear (4096 x 4096 weight, 2048 tokens, HYBRID block recipe) forward +
    backward vs a plain float32 Linear, median of a few repeats.
@@ -115,22 +118,35 @@ def main() -> None:
     print(
         f"# FP8 emulation benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads\n"
     )
+    e = EmulationRecipe
     runs = {
         "fp32": lambda: train_tiny(None),
         "bf16 autocast": lambda: train_tiny(None, precision=torch.bfloat16),
-        "e4m3 tensorwise (HYBRID)": lambda: train_tiny(EmulationRecipe.hybrid_tensorwise()),
-        "e4m3 1x128 / 128x128 blocks (HYBRID)": lambda: train_tiny(EmulationRecipe.hybrid_block()),
+        "e4m3 tensorwise (HYBRID, TE current scaling)": lambda: train_tiny(e.hybrid_tensorwise()),
+        "rowwise, torchao axes, HYBRID formats": lambda: train_tiny(e.hybrid_rowwise()),
+        "torchao rowwise (e4m3, power-of-two scales)": lambda: train_tiny(e.torchao_rowwise()),
+        "e4m3 1x128 / 128x128 blocks (HYBRID, TE block scaling)": lambda: train_tiny(
+            e.hybrid_block()
+        ),
         "the same + SDPA matmuls (HYBRID, attention=True)": lambda: train_tiny(
-            EmulationRecipe.hybrid_block(), attention=True
+            e.hybrid_block(), attention=True
         ),
-        "DeepGEMM casts (decode scales, 1e-4 floor)": lambda: train_tiny(
-            EmulationRecipe.deepgemm()
+        "DeepSeek-V3 (e4m3, 128x1 wgrad tiles, 14-bit accumulator)": lambda: train_tiny(
+            e.deepseek_v3()
         ),
-        "DeepGEMM casts (UE8M0 scales)": lambda: train_tiny(EmulationRecipe.deepgemm(ue8m0=True)),
-        "MXFP8 (e4m3, 32-blocks, E8M0 rceil)": lambda: train_tiny(EmulationRecipe.mxfp8()),
-        "MXFP8 (OCP floor scales)": lambda: train_tiny(EmulationRecipe.mxfp8("floor")),
-        "NVFP4 training (16x16 weights, SR grads)": lambda: train_tiny(
-            EmulationRecipe.nvfp4_training()
+        "DeepGEMM casts (decode scales, 1e-4 floor)": lambda: train_tiny(e.deepgemm()),
+        "DeepGEMM casts (UE8M0 scales)": lambda: train_tiny(e.deepgemm(ue8m0=True)),
+        "MXFP8 (e4m3, 32-blocks, E8M0 rceil)": lambda: train_tiny(e.mxfp8()),
+        "MXFP8 (OCP floor scales)": lambda: train_tiny(e.mxfp8("floor")),
+        "NVFP4 forward, straight-through backward": lambda: train_tiny(e.nvfp4()),
+        "NVFP4 training (RHT wgrad, 16x16 weights, SR grads)": lambda: train_tiny(
+            e.nvfp4_training()
+        ),
+        "NVFP4 training without RHT": lambda: train_tiny(e.nvfp4_training(rht=False)),
+        "NVFP4 training without SR": lambda: train_tiny(e.nvfp4_training(stochastic=False)),
+        "NVFP4 training without 16x16 weights": lambda: train_tiny(e.nvfp4_training(two_d=False)),
+        "NVFP4 training + last layer in BF16 (1 of 8, the paper's ~15%)": lambda: train_tiny(
+            e.nvfp4_training(skip=("head", "blocks.1.mlp.proj"))
         ),
     }
     losses = {name: fn() for name, fn in runs.items()}

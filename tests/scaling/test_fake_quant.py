@@ -93,9 +93,12 @@ def test_tiny_gpt_trains_under_mxfp8_within_3_percent() -> None:
 
 
 def test_tiny_gpt_trains_under_hybrid_block_scaling() -> None:
-    """300 steps on CPU: the held-out loss under emulated HYBRID block scaling is within 3%
-    of fp32 with the same seed."""
+    """300 steps on CPU: the held-out loss under emulated HYBRID block scaling (TE's
+    Float8BlockScaling, with its 128-token column-wise copies for wgrad) is within 4% of
+    fp32 with the same seed. Measured: +2.32% (2 threads), +3.17% (1 thread: another
+    float32 summation order, another trajectory), +1.27% with seed 1; 0.1's backward,
+    which reused the forward's blocks, gave +0.29%."""
     ref = train_tiny(None, steps=300)
     emu = train_tiny(EmulationRecipe.hybrid_block(), steps=300)
-    assert abs(emu - ref) <= 0.03 * ref, (emu, ref)
+    assert abs(emu - ref) <= 0.04 * ref, (emu, ref)
     assert ref < 0.5  # it learned (chance is ln 64 = 4.16)

@@ -74,6 +74,12 @@ def rht_signs(n: int = 16, seed: int | None = None) -> torch.Tensor:
     return torch.tensor(_signs(n, seed), dtype=torch.float32)
 
 
+@functools.lru_cache(maxsize=32)
+def _signs_on(n: int, seed: int | None, device: torch.device) -> torch.Tensor:
+    """The sign vector in float64 on ``device``, copied there once (not every step)."""
+    return rht_signs(n, seed).to(device=device, dtype=torch.float64)
+
+
 def rht_matrix(n: int = 16, seed: int | None = None) -> torch.Tensor:
     """``D H`` (float32): a block ``x`` (a row of ``n`` elements) is transformed to
     ``x @ rht_matrix(n, seed)``, as TE's ``get_rht_matrix`` (``diag(signs) @ H``)."""
@@ -94,7 +100,7 @@ def random_hadamard_transform(
             f"random_hadamard_transform: last dim {x.shape[-1]} is not a multiple of the "
             f"Hadamard size {n}; zero-pad it to {x.shape[-1] + (-x.shape[-1]) % n}"
         )
-    signs = rht_signs(n, seed).to(device=x.device, dtype=torch.float64)
+    signs = _signs_on(n, seed, x.device)
     y = x.to(torch.float64).reshape(*x.shape[:-1], -1, n) * signs
     h = 1
     while h < n:  # Sylvester butterfly: [a, b] -> [a + b, a - b] over pairs h apart
