@@ -9,18 +9,23 @@ the third element an audit target of ``floatguard audit`` returns), never a
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from floatguard.formats.registry import get
 from floatguard.formats.rounding import quantize
+from floatguard.scaling.emulation_recipe import EmulationRecipe
 from floatguard.scaling.recipes import Block, TensorRecipe, Tensorwise
 from floatguard.stats import TensorStats, tensor_stats
+
+if TYPE_CHECKING:
+    from floatguard.scaling.coverage import GemmCoverage
 
 __all__ = ["AuditReport", "LayerAudit", "audit"]
 
@@ -66,11 +71,13 @@ class LayerAudit:
 
 @dataclass
 class AuditReport:
-    """Per-layer audits, in module order; ``to_dict()`` is JSON-ready."""
+    """Per-layer audits, in module order, and the GEMM coverage emulate() would have
+    (``coverage``, see :func:`audit`); ``to_dict()`` is JSON-ready."""
 
     layers: list[LayerAudit]
     formats: tuple[str, ...]
     recipes: tuple[str, ...]
+    coverage: GemmCoverage | None = None
 
     def __getitem__(self, layer: str) -> LayerAudit:
         for la in self.layers:
@@ -83,12 +90,15 @@ class AuditReport:
             "formats": list(self.formats),
             "recipes": list(self.recipes),
             "layers": [la.to_dict() for la in self.layers],
+            "gemm_coverage": None if self.coverage is None else self.coverage.to_dict(),
         }
 
     def __str__(self) -> str:
         lines = []
         for la in self.layers:
             lines.append(f"{la.layer}: " + "; ".join(la.recommendation))
+        if self.coverage is not None:
+            lines.append(f"emulate() coverage: {self.coverage.summary()}")
         return "\n".join(lines)
 
 
@@ -282,6 +292,7 @@ def audit(
     formats: Sequence[str] = ("bf16", "fp16", "e4m3fn", "e5m2"),
     recipes: Mapping[str, TensorRecipe] | None = None,
     modules: tuple[type[nn.Module], ...] | None = None,
+    emulation: EmulationRecipe | None = None,
 ) -> AuditReport:
     """Run forward and backward on ``batches`` and audit every matching layer.
 
@@ -296,6 +307,16 @@ def audit(
     each format (saturating, unscaled) and through each recipe (default: e4m3
     tensor-wise and 1x128 blocks). Gradients are left as they were (``model.zero_grad()``
     is called before and after). Reads results on the host.
+
+    ``emulation`` (an :class:`~floatguard.scaling.EmulationRecipe`): the report's
+    ``coverage`` is the share of the GEMM FLOPs of one more forward and backward of the
+    first batch (``loss_fn`` is called once more) that ``emulate(model, emulation)`` runs
+    on emulated operands, as :func:`floatguard.scaling.coverage` measures it at dispatch:
+    the model emulated for that run and restored, before the audit's own hooks exist (an
+    RNN, an eager attention, a skipped LM head are FLOPs left in high precision). A model
+    emulate() swaps nothing in (no covered layer, or a bare ``nn.Linear``) gets its plain
+    count, 0% emulated; one already emulated is measured as it is. None (the default):
+    not measured, ``coverage`` is None.
     """
     _check_loss_fn(loss_fn)
     fmts = tuple(get(f).name for f in formats)
@@ -332,6 +353,7 @@ def audit(
 
         return hook
 
+    gemm, batches = _first_batch_coverage(model, batches, loss_fn, emulation)
     for name, m in targets:
         handles.append(m.register_forward_hook(forward_hook(name)))
     model.zero_grad(set_to_none=True)
@@ -349,4 +371,30 @@ def audit(
             continue
         results = {k: _summarize(a) for k, a in accs[name].items() if a.stats is not None}
         layers.append(LayerAudit(name, results, _recommend(results, list(recs))))
-    return AuditReport(layers, fmts, tuple(recs))
+    return AuditReport(layers, fmts, tuple(recs), gemm)
+
+
+def _first_batch_coverage(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    recipe: EmulationRecipe | None,
+) -> tuple[GemmCoverage | None, Iterable[Any]]:
+    """The coverage audit on the first batch (before the audit's hooks exist, so they do
+    not see it), and the batches with that one still first (an iterator is read once)."""
+    from floatguard.scaling import NothingToEmulate, coverage, is_emulated
+
+    if recipe is None:
+        return None, batches
+    it = iter(batches)
+    try:
+        first = next(it)
+    except StopIteration:
+        return None, ()
+    rest = itertools.chain([first], it)
+    if is_emulated(model):
+        return coverage(model, first, loss_fn=loss_fn), rest
+    try:
+        return coverage(model, first, recipe, loss_fn=loss_fn, inplace=True), rest
+    except NothingToEmulate:  # emulate() would swap nothing: what runs is all high precision
+        return coverage(model, first, loss_fn=loss_fn), rest

@@ -331,7 +331,7 @@ class Stateful(nn.Module):
         return self.out(self.drop(self.bn(self.fc(x))))
 
 
-@pytest.mark.parametrize("how", ["copy", "as_is_emulated", "as_is_plain"])
+@pytest.mark.parametrize("how", ["copy", "inplace", "as_is_emulated", "as_is_plain"])
 def test_the_audit_leaves_parameters_grads_buffers_and_rng_as_they_were(how: str) -> None:
     model = Stateful().train()
     x = torch.randn(6, 8, requires_grad=True)
@@ -343,8 +343,13 @@ def test_the_audit_leaves_parameters_grads_buffers_and_rng_as_they_were(how: str
     x_grad = (x.grad, x.grad.clone())  # type: ignore[union-attr]
     types = [type(m) for m in model.modules()]
     rng = torch.get_rng_state()
-    cov = coverage(model, x, BLOCK if how == "copy" else None)
-    assert cov.total_flops > 0 and cov.backward
+    if how in ("copy", "inplace"):
+        cov = coverage(model, x, BLOCK, inplace=how == "inplace")
+        assert cov.share == 1.0  # fc and out, emulated for the run
+    else:
+        cov = coverage(model, x)
+        assert cov.share == (1.0 if how == "as_is_emulated" else 0.0)
+    assert cov.total_flops == 3 * mm(6, 8, 8) + 3 * mm(6, 8, 2) and cov.backward
     assert torch.equal(torch.get_rng_state(), rng)
     for k, v in model.state_dict().items():  # parameters and BatchNorm's running stats
         assert torch.equal(v, state[k]), k
@@ -390,3 +395,41 @@ def test_to_dict_is_json_ready() -> None:
     assert d["recipe"] == repr(BLOCK) and len(d["records"]) == len(cov.records)
     empty = coverage(nn.Sequential(nn.ReLU()), torch.randn(2, 3, requires_grad=True))
     assert empty.to_dict()["share"] is None and "no GEMM FLOPs counted" in empty.summary()
+
+
+# ---------------------------------------------------------------- floatguard.audit's figure
+
+
+def test_the_precision_audit_reports_the_measured_coverage() -> None:
+    from floatguard import audit
+
+    def batches() -> typing.Iterator[torch.Tensor]:  # an iterator: read once
+        g = torch.Generator().manual_seed(0)
+        yield from (torch.randn(5, 8, generator=g) for _ in range(2))
+
+    torch.manual_seed(0)
+    model = RNNHead(nn.LSTM(8, 16, batch_first=True))
+    x = torch.randn(2, 5, 8)
+    calls: list[int] = []
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return m(b).float().mean()
+
+    plain = audit(model, [x, x], loss_fn=loss_fn)
+    calls.clear()
+    report = audit(model, [x, x], loss_fn=loss_fn, emulation=BLOCK)
+    assert len(calls) == 3 and plain.coverage is None  # the coverage run: once more
+    assert report.to_dict()["layers"] == plain.to_dict()["layers"]  # the audit unchanged
+    cov = report.coverage
+    assert cov is not None and not is_emulated(model)
+    head, rnn_fwd = mm(10, 16, 4), 2 * 10 * 64 * (8 + 16)
+    assert cov.emulated_flops == 3 * head and flops(cov, "rnn", "forward") == rnn_fwd
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["gemm_coverage"]["emulated"] == 3 * head
+    assert "emulate() coverage: GEMM FLOPs emulated: " in str(report)
+    # a generator of batches: the first is audited too; a bare layer: nothing emulated
+    bare = audit(nn.Linear(8, 4), batches(), emulation=BLOCK)
+    assert bare.coverage is not None and bare.coverage.share == 0.0
+    assert bare.coverage.total_flops == 2 * mm(5, 8, 4)  # forward and dW
+    assert bare.layers[0].results["activation"]["numel"] == 2 * 5 * 8

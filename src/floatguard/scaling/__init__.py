@@ -1,6 +1,6 @@
 """How values are kept inside a format's window: loss scaling, master weights, FP8 recipes."""
 
-from floatguard.scaling._emulate import Coverage, is_emulated
+from floatguard.scaling._emulate import Coverage, NothingToEmulate, is_emulated
 from floatguard.scaling.coverage import Flops, GemmCoverage, GemmRecord, coverage
 from floatguard.scaling.fake_quant import (
     EmulatedConv,
@@ -51,6 +51,7 @@ __all__ = [
     "GemmRecord",
     "MasterWeights",
     "NanPolicy",
+    "NothingToEmulate",
     "QuantResult",
     "Rowwise",
     "TensorRecipe",

@@ -25,7 +25,12 @@ if TYPE_CHECKING:
 # fake_quant (the emulated modules) re-exports emulate/restore/Coverage from here, so its
 # names are imported where used: either module can be imported first.
 
-__all__ = ["Coverage", "emulate", "is_emulated", "restore"]
+__all__ = ["Coverage", "NothingToEmulate", "emulate", "is_emulated", "restore"]
+
+
+class NothingToEmulate(ValueError):
+    """:func:`emulate` would swap nothing (no covered layer, every one skipped, or the model
+    is itself a layer, which cannot be swapped in place); the message says why."""
 
 
 class _RootHooks:
@@ -253,10 +258,11 @@ def emulate(
     ``attention`` says whether an emulated SDPA call ran (:class:`Coverage`); it is also
     logged (logger "floatguard"). What ran, FLOP by FLOP:
     :func:`floatguard.scaling.coverage`.
-    Covering nothing raises ValueError saying why: the model would train in full
-    precision while you believe it is emulated. So does a model that is itself one of the
-    covered layers (``emulate(nn.Linear(4, 4), ...)``): modules are swapped in their
-    parent, and the object you hold cannot be replaced; wrap it in an ``nn.Sequential``.
+    Covering nothing raises :class:`NothingToEmulate` (a ValueError) saying why: the model
+    would train in full precision while you believe it is emulated. So does a model that
+    is itself one of the covered layers (``emulate(nn.Linear(4, 4), ...)``): modules are
+    swapped in their parent, and the object you hold cannot be replaced; wrap it in an
+    ``nn.Sequential``.
     """
     from floatguard.scaling.fake_quant import _Emulated
 
@@ -271,7 +277,7 @@ def emulate(
     if model in _ROOT:
         raise ValueError("emulate() was already applied to this model; restore() first")
     if isinstance(model, (*_EMULATABLE, nn.MultiheadAttention)) or _is_conv1d(model):
-        raise ValueError(
+        raise NothingToEmulate(
             f"emulate: the model is itself an {type(model).__name__}; emulate() swaps "
             "submodules in their parent and cannot replace the object you hold: wrap it, "
             "e.g. model = nn.Sequential(model), then emulate(model, recipe)"
@@ -331,7 +337,7 @@ def emulate(
             else "the model has no nn.Linear, Conv1D, nn.Conv1d or nn.Conv2d (it has: "
             f"{', '.join(found[:8]) or 'no submodule'})"
         )
-        raise ValueError(f"emulate covered no layer: {why}")
+        raise NothingToEmulate(f"emulate covered no layer: {why}")
     if attention or mha_hooked:
         _ROOT[model] = _RootHooks(model, recipe, attention=attention, mha=mha_hooked)
         coverage = Coverage(swapped, left, attention, _ROOT[model])

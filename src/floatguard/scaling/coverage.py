@@ -50,7 +50,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from floatguard.scaling._emulate import emulate, is_emulated
+from floatguard.scaling._emulate import emulate, is_emulated, restore
 from floatguard.scaling._gemm_flops import GEMM_OPS, looks_like_gemm
 from floatguard.scaling._gemm_tag import is_emulating
 from floatguard.scaling.emulation_recipe import EmulationRecipe
@@ -372,6 +372,7 @@ def coverage(
     skip: tuple[str, ...] | Callable[[str, nn.Module], bool] | None = None,
     attention: bool = False,
     modules: tuple[type[nn.Module], ...] | None = None,
+    inplace: bool = False,
 ) -> GemmCoverage:
     """Run one training step's forward and backward and count which GEMM FLOPs ran on
     emulated operands (see the module docstring for what is counted and how).
@@ -380,9 +381,10 @@ def coverage(
     one: then nothing is emulated and the audit is a GEMM FLOP count). ``recipe`` given:
     a deep copy of ``model`` is emulated, ``emulate(copy, recipe, skip=skip,
     attention=attention, modules=modules)``, and audited: the model you hold is never
-    swapped (the copy costs one model's memory; to avoid it, ``emulate()`` the model
-    yourself and pass ``recipe=None``). ``skip``, ``attention`` and ``modules`` go with
-    a recipe only.
+    swapped (the copy costs one model's memory). ``inplace=True``: no copy, the model
+    itself is emulated for the run and ``restore()``d after it (also when it raises).
+    ``skip``, ``attention``, ``modules`` and ``inplace`` go with a recipe only; emulate()'s
+    ValueError (it would cover nothing) is raised as is.
 
     ``loss_fn(model, batch)`` runs the forward and returns the loss (the convention of
     :func:`floatguard.audit`; default: the model's own ``.loss``, else the mean of its
@@ -394,15 +396,16 @@ def coverage(
     tensors) are set aside and put back, its buffers restored, torch's RNG forked; torch's
     fused MHA fast path is off during the run, as ``emulate()`` turns it off. Host-side
     bookkeeping of shapes only: no device sync beyond what the model itself does; CPU
-    backward only is attributed to modules reliably (autograd's device threads run CUDA
-    backward nodes, but they are tagged the same way).
+    Tested on CPU; on CUDA, autograd runs the backward on a device thread, where the
+    engine carries the dispatch mode and sets the current node, and the emulated GEMM's
+    backward enters ``emulated_gemm()`` itself.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"coverage: model must be an nn.Module, got {type(model).__name__}")
     if recipe is None:
-        if skip is not None or attention or modules is not None:
+        if skip is not None or attention or modules is not None or inplace:
             raise ValueError(
-                "coverage: skip=, attention= and modules= describe the emulation of a copy "
+                "coverage: skip=, attention=, modules= and inplace= describe the emulation "
                 "and go with recipe=...; with recipe=None the model is audited as it is"
             )
         target, label = model, None
@@ -414,15 +417,31 @@ def coverage(
                 "coverage: the model is emulated already; pass recipe=None to audit it as it "
                 "is, or restore(model) first to audit it under another recipe"
             )
-        target = copy.deepcopy(model)
-        target.zero_grad(set_to_none=True)
+        target = model if inplace else _copy(model)
         emulate(target, recipe, skip=skip, attention=attention, modules=modules)
         label = repr(recipe)
-    counter = _run(target, batch, loss_fn, backward)
+    try:
+        counter = _run(target, batch, loss_fn, backward)
+    finally:
+        if recipe is not None and inplace:
+            restore(target)
     records = tuple(GemmRecord(m, op, phase, emu, calls, flops)
                     for (m, op, phase, emu), (calls, flops) in counter.counts.items())  # fmt: skip
     ran_backward = counter.phase == "backward"
     return GemmCoverage(records, ran_backward, label, tuple(counter.unmeasured.items()))
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy of the model, without its ``.grad``s."""
+    try:
+        target = copy.deepcopy(model)
+    except Exception as e:  # a module holding something deepcopy refuses (a lock, a stream)
+        raise TypeError(
+            f"coverage: cannot deep-copy the model to emulate it ({type(e).__name__}: {e}); "
+            "pass inplace=True (emulated for the run, restore()d after)"
+        ) from e
+    target.zero_grad(set_to_none=True)
+    return target
 
 
 def _run(
