@@ -340,7 +340,7 @@ def _state_kept(model: nn.Module, batch: Any) -> Iterator[None]:
     fast-path switch as they were, after the block. The ``.grad`` tensors put back are the
     same objects, untouched: they are set aside (to None) before the backward."""
     leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     grads = [(t, t.grad) for t in (*params, *leaves) if t.requires_grad]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cuda = sorted({int(t.device.index or 0) for t in (*params, *leaves) if t.device.type == "cuda"})
