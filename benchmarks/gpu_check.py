@@ -48,6 +48,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -60,6 +61,9 @@ from floatguard.monitor import Monitor
 from floatguard.scaling import EmulationRecipe, Tensorwise
 from floatguard.scaling.fake_quant import EmulatedLinear
 from floatguard.stats import EXP_MIN, TensorStats
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _peer_loops import clip_step
 
 Verdict = Literal["PASS", "FAIL", "WARN", "SKIP", "INFO"]
 Step = Callable[[], None]
@@ -229,30 +233,12 @@ def guarded(
 
 
 def peer(backend: Backend, cfg: GPTConfig, batch: int, precision: str) -> Step:
-    """The loop the guard replaces: fp16 with PyTorch's recipe (``GradScaler.scale(loss)
-    .backward(); unscale_; clip_grad_norm_(1.0); step; update``, as
-    ``_peer_loops.gradscaler_clip_step``, which is written for the CPU), bf16 or fp32
-    with ``backward; clip_grad_norm_(1.0); step``."""
+    """The loop the guard replaces (``_peer_loops.clip_step`` on this device): fp16 with
+    PyTorch's recipe (``GradScaler.scale(loss).backward(); unscale_; clip_grad_norm_(1.0);
+    step; update``), bf16 or fp32 with ``backward; clip_grad_norm_(1.0); step``."""
     model, opt, x, y = _setup(backend, cfg, batch)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    scaler = torch.amp.GradScaler(backend.kind) if precision == "fp16" else None
-
-    def step() -> None:
-        with torch.autocast(backend.kind, dtype=dtype, enabled=dtype is not None):
-            loss = _lm_loss(model, x, y)
-        if scaler is None:
-            loss.backward()  # type: ignore[no-untyped-call]
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        else:
-            scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return clip_step(model, opt, lambda: _lm_loss(model, x, y), backend.kind, dtype)
 
 
 # ----------------------------------------------------------------- (a) synchronizations
