@@ -162,11 +162,10 @@ class AmaxPlan:
         return cls(tensors, kinds, lib)
 
     def valid(self) -> bool:
-        """The tensors still hold the memory, size and dtype the plan was built for."""
-        for t, (p, n, d) in zip(self._tensors, self._sig, strict=True):
-            if t.data_ptr() != p or t.numel() != n or t.dtype != d or not t.is_contiguous():
-                return False
-        return True
+        """The tensors still hold the memory, size and dtype the plan was built for, in
+        one pass (a tensor made non-contiguous in place, by ``as_strided_`` or ``set_``
+        on the same memory, is not seen: nothing in a training step does that)."""
+        return [(t.data_ptr(), t.numel(), t.dtype) for t in self._tensors] == self._sig
 
     def run(self) -> torch.Tensor:
         out = torch.empty(self._count, dtype=torch.float64)

@@ -326,6 +326,9 @@ class Guard(GuardPersistence):
             self._snapshot_pending = False
             self._state.rng = self._state.rng_now()
             self._keeper.take(step, self._stateful(), self._snapshot_meta(), {}, vetted=False)
+            # The forward writes buffers (BatchNorm's statistics): it waits for a host
+            # copy of them on the device, once (later snapshots are taken after it).
+            self._keeper.fence()
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -83,6 +83,7 @@ class SnapshotKeeper:
         self._failing = False  # writes failing since the last one that worked (warned)
         self.cadence = SnapshotCadence(policy.snapshot_every)
         self._accelerated = False  # the state is on an accelerator (set at the first take)
+        self._on: Literal["host", "device"] | None = None  # where snapshots go (first take)
 
     def age(self, next_step: int) -> int | None:
         """How many steps a resume from the newest snapshot on disk would run again
@@ -126,17 +127,22 @@ class SnapshotKeeper:
         ``vetted=False``: the state's check comes later (:meth:`vouch` or :meth:`drop`)."""
         if self.snapshot is not None:  # what the last copy cost, for the budget
             self.cadence.cost(self.snapshot.copy_seconds())
+        if self._on is None:  # "auto" decided once, from where the parameters are
+            self._accelerated = any(p.device.type != "cpu" for p in _tensors(objects))
+            place = self.policy.snapshot_on
+            self._on = ("host" if self._accelerated else "device") if place == "auto" else place
+        # Python's and NumPy's RNG states (~60 us) only in a snapshot bound for disk, for
+        # a resume; a rollback in memory puts back torch's (see restore).
+        to_disk = self.store is not None and self.taken % self.policy.disk_every == 0
         self.snapshot = Snapshot.capture(
             step,
             objects,
             meta={**meta, "snapshots": self.taken},
             reuse=self.snapshot,
-            on=self.policy.snapshot_on,
+            on=self._on,
+            rng=True if to_disk else "torch",
         )
-        if self.taken == 0:
-            self._accelerated = self.snapshot.on == "host" and any(
-                p.device.type != "cpu" for p in _tensors(objects)
-            )
+        self._accelerated = self._accelerated and self.snapshot.on == "host"
         self.cadence.budget = self._budget(self.snapshot.on)
         self.cadence.taken(good_steps)
         self.taken += 1
@@ -265,7 +271,9 @@ class SnapshotKeeper:
         """Load the snapshot back into ``objects``; the step it was taken before."""
         if self.snapshot is None:
             raise SnapshotError("no clean snapshot to roll back to")
-        self.snapshot.restore(objects)
+        # torch's RNG goes back with the weights; Python's and NumPy's belong to the
+        # data pipeline, which a rollback does not rewind
+        self.snapshot.restore(objects, rng="torch")
         return self.snapshot.step
 
     def load(

@@ -130,3 +130,45 @@ class HostCopy:
         if self._done is not None and self._begin is not None:
             self._seconds = float(self._begin.elapsed_time(self._done)) / 1e3
         self._done = self._begin = None
+
+
+class HostShard:
+    """A DTensor's local part (this rank's shard under FSDP2) kept in a host buffer, with
+    what rebuilds the DTensor: its mesh, placements, global shape and stride.
+
+    A host snapshot keeps each rank's own shard, so the snapshot's host memory per
+    rank is the shard's size, not the model's. :meth:`rebuild` makes the DTensor
+    again, its local part copied back to the mesh's device (a rollback or a save)."""
+
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        d: Any = t
+        with torch.no_grad():
+            self.local = host_buffer(d.to_local())
+        self.mesh = d.device_mesh
+        self.placements = tuple(d.placements)
+        self.shape = tuple(d.shape)
+        self.stride = tuple(d.stride())
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """``t`` (a live DTensor) is laid out as this one was: the same mesh, placements,
+        global shape, and a local part of the buffer's shape and dtype."""
+        d: Any = t
+        if d.device_mesh != self.mesh or tuple(d.placements) != self.placements:
+            return False
+        if tuple(d.shape) != self.shape:
+            return False
+        local = d.to_local()
+        return bool(local.shape == self.local.shape and local.dtype == self.local.dtype)
+
+    def rebuild(self) -> torch.Tensor:
+        """The DTensor again, its local part a new copy on the mesh's device."""
+        from torch.distributed.tensor import DTensor
+
+        local = self.local.to(self.mesh.device_type, copy=True)
+        out: torch.Tensor = DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
+            stride=self.stride,
+        )  # fmt: skip
+        return out

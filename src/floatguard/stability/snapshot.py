@@ -40,6 +40,7 @@ import io
 import os
 import random
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -48,7 +49,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from floatguard.stability._host_copy import HostCopy, host_buffer
+from floatguard._foreach import is_dtensor
+from floatguard.stability._host_copy import HostCopy, HostShard, host_buffer
 from floatguard.stability._process import writer_gone, writer_tag
 from floatguard.stability._snapshot_file import (
     TEMP_NAME,
@@ -81,31 +83,43 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any, /) -> Any: ...
 
 
-def _rng_state() -> dict[str, Any]:
-    np_state: Any = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+RngKind = Literal["all", "torch"]
+
+
+def _rng_state(kind: RngKind = "all") -> dict[str, Any]:
+    """The RNG states: torch's (CPU, and every CUDA device's when CUDA is there) and,
+    for ``kind="all"``, Python's ``random`` and NumPy's global generator (those two
+    cost ~60 us a capture: NumPy builds its 624-word key anew)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if kind == "all":
+        np_state: Any = np.random.get_state()
+        state["python"] = [list(x) if isinstance(x, tuple) else x for x in random.getstate()]
         # numpy's state as plain values, so weights_only loading accepts it
-        "numpy": [
+        state["numpy"] = [
             str(np_state[0]),
             torch.from_numpy(np_state[1].astype(np.int64)),
             *map(float, np_state[2:]),
-        ],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        ]
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], kind: RngKind = "all") -> None:
+    """Put back the RNG states ``state`` holds (``kind="torch"``: torch's only)."""
     torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), int(n[2]), int(n[3]), float(n[4])))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if kind == "torch":
+        return
+    if "python" in state:
+        py = state["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state(
+            (n[0], n[1].numpy().astype(np.uint32), int(n[2]), int(n[3]), float(n[4]))
+        )
 
 
 _ATOMS = (int, float, str, bool, type(None))
@@ -117,10 +131,10 @@ def _copy_plain(v: Any) -> Any:
     anything else through it."""
     if type(v) in _ATOMS:
         return v
-    if type(v) is list:
-        return [_copy_plain(x) for x in v]
+    if type(v) is list:  # (a detector's window: floats, copied without a call each)
+        return [x if type(x) in _ATOMS else _copy_plain(x) for x in v]
     if type(v) is dict:
-        return {k: _copy_plain(x) for k, x in v.items()}
+        return {k: x if type(x) in _ATOMS else _copy_plain(x) for k, x in v.items()}
     if type(v) is tuple:
         return tuple(_copy_plain(x) for x in v)
     return copy.deepcopy(v)
@@ -153,11 +167,24 @@ def _pair_up(old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor
         dst.append(old)
         src.append(new)
         return True
+    if type(old) is HostShard:  # a host snapshot's DTensor shard
+        if not is_dtensor(new) or not old.fits(new):
+            return False
+        dst.append(old.local)
+        with torch.no_grad():
+            src.append(new.to_local())
+        return True
     if isinstance(new, dict):  # a module's state_dict is an OrderedDict
         if type(old) is not type(new) or old.keys() != new.keys():
             return False
         for k, v in new.items():
-            if isinstance(v, _NESTED):
+            if type(v) is tensor:  # the common leaf, paired without a call
+                o = old[k]
+                if type(o) is not tensor or o.dtype != v.dtype or o.shape != v.shape:
+                    return False
+                dst.append(o)
+                src.append(v)
+            elif isinstance(v, _NESTED):
                 if not _pair_up(old[k], v, dst, src):
                     return False
             elif not _same_plain(old[k], v):
@@ -220,14 +247,21 @@ def _copy_into(
 
 
 def _host_tree(v: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
-    """A copy of a state with every plain tensor replaced by a new host buffer (paired
-    into ``dst``/``src`` for the copy); tensor subclasses (a DTensor shard) and other
+    """A copy of a state with every plain tensor replaced by a new host buffer, and
+    every DTensor by a :class:`HostShard` of its local part (the buffers and sources
+    paired into ``dst``/``src`` for the copy); other tensor subclasses and other
     leaves deep-copied where they are."""
     if type(v) is torch.Tensor:
         buf = host_buffer(v)
         dst.append(buf)
         src.append(v)
         return buf
+    if is_dtensor(v):
+        shard = HostShard(v)
+        dst.append(shard.local)
+        with torch.no_grad():
+            src.append(v.to_local())
+        return shard
     if isinstance(v, dict):
         out = copy.copy(v)  # keeps an OrderedDict's type
         for k, x in v.items():
@@ -238,10 +272,44 @@ def _host_tree(v: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
     return _copy_plain(v)
 
 
-def _on_accelerator(states: Any) -> bool:
-    return any(
-        isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tree_flatten(states)[0]
-    )
+def _has_shard(v: Any) -> bool:
+    if type(v) is HostShard:
+        return True
+    if isinstance(v, dict):
+        return any(_has_shard(x) for x in v.values())
+    if type(v) in (list, tuple):
+        return any(_has_shard(x) for x in v)
+    return False
+
+
+def _live_copy(v: Any, *, only_shards: bool = False) -> Any:
+    """A state as ``load_state_dict`` takes it: a deep copy (nothing aliases the
+    snapshot), each :class:`HostShard` rebuilt as its DTensor. ``only_shards``: the
+    rest is not copied (for a write). A state without shards is one ``deepcopy``."""
+    if not _has_shard(v):
+        return v if only_shards else copy.deepcopy(v)
+    if type(v) is HostShard:
+        return v.rebuild()
+    if isinstance(v, dict):
+        out = copy.copy(v)
+        for k, x in v.items():
+            out[k] = _live_copy(x, only_shards=only_shards)
+        return out
+    if type(v) in (list, tuple):
+        return type(v)(_live_copy(x, only_shards=only_shards) for x in v)
+    return v if only_shards else copy.deepcopy(v)
+
+
+def _on_accelerator(v: Any) -> bool:
+    """Whether a tensor in ``v`` (dicts, lists, tuples) is on an accelerator (the walk
+    stops at the first tensor found there)."""
+    if isinstance(v, torch.Tensor):
+        return v.device.type != "cpu"
+    if isinstance(v, dict):
+        return any(_on_accelerator(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_on_accelerator(x) for x in v)
+    return False
 
 
 SnapshotOn = Literal["auto", "host", "device"]
@@ -261,6 +329,8 @@ class Snapshot:
     plain: set[str] = field(default_factory=set, repr=False, compare=False)
     # a host snapshot's copy from the device (None: the tensors were cloned where they are)
     copier: HostCopy | None = field(default=None, repr=False, compare=False)
+    # a device snapshot's capture, wall seconds on the host (see copy_seconds)
+    seconds: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def on(self) -> str:
@@ -279,8 +349,11 @@ class Snapshot:
             self.copier.wait()
 
     def copy_seconds(self) -> float | None:
-        """What the last capture's copy took (None while a device copy is in flight)."""
-        return self.copier.seconds() if self.copier is not None else None
+        """What the last capture cost: a host snapshot's copy (device time from its
+        events; None while it is in flight), else the capture's wall time on the host
+        (the whole cost for a CPU state, whose copies are synchronous; the host's part,
+        the walk and the launches, for an accelerator's)."""
+        return self.copier.seconds() if self.copier is not None else self.seconds
 
     @classmethod
     def capture(
@@ -288,7 +361,7 @@ class Snapshot:
         step: int,
         objects: dict[str, Stateful],
         *,
-        rng: bool = True,
+        rng: bool | RngKind = True,
         meta: dict[str, Any] | None = None,
         reuse: Snapshot | None = None,
         on: SnapshotOn = "device",
@@ -305,19 +378,29 @@ class Snapshot:
         reused) on a side stream, asynchronously (:class:`_host_copy.HostCopy`: call
         :meth:`fence` before the state is overwritten, :meth:`wait` before reading the
         buffers; :meth:`restore` and :meth:`save` wait themselves); ``"auto"``: host
-        when a tensor is on an accelerator, else device. Tensor subclasses (an FSDP2
-        DTensor shard) are deep-copied on their device either way.
+        when a tensor is on an accelerator, else device. On the host a DTensor (an
+        FSDP2 parameter) is kept as this rank's shard (its local part, with what
+        rebuilds it); other tensor subclasses are deep-copied on their device.
+
+        ``rng``: the RNG states kept with it: ``True`` (or ``"all"``) torch's, Python's
+        and NumPy's; ``"torch"`` torch's only (CPU and CUDA; a tenth of the cost);
+        ``False`` none.
         """
+        began = time.perf_counter()
         states = {name: obj.state_dict() for name, obj in objects.items()}
         meta_d = dict(meta or {})
+        if rng not in (True, False, "all", "torch"):
+            raise ValueError(f"Snapshot.capture(rng={rng!r}); use True, False, 'all' or 'torch'")
+        kind: RngKind = "torch" if rng == "torch" else "all"
         if on == "auto":
             on = "host" if _on_accelerator(states) else "device"
         if on not in ("host", "device"):
             raise ValueError(f"Snapshot.capture(on={on!r}); use 'host', 'device' or 'auto'")
         if reuse is not None and reuse.on == on:
             if _copy_into(reuse.states, states, reuse.plain, reuse.copier):
-                reuse.step, reuse.rng = step, (_rng_state() if rng else None)
+                reuse.step, reuse.rng = step, (_rng_state(kind) if rng else None)
                 reuse.meta = meta_d
+                reuse.seconds = time.perf_counter() - began if on == "device" else None
                 return reuse
             reuse.wait()  # a fresh snapshot follows: nothing may still write the old one
         # States that hold nothing but small Python values (a scaler's, a detector's) are
@@ -328,9 +411,11 @@ class Snapshot:
             if not isinstance(obj, (torch.optim.Optimizer, torch.nn.Module))
             and not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(st)[0])
         }  # fmt: skip
-        rng_state = _rng_state() if rng else None
+        rng_state = _rng_state(kind) if rng else None
         if on == "device":
-            return cls(step, copy.deepcopy(states), rng_state, meta_d, plain=plain)
+            kept_here = copy.deepcopy(states)
+            took = time.perf_counter() - began
+            return cls(step, kept_here, rng_state, meta_d, plain=plain, seconds=took)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         kept = {name: _host_tree(st, dst, src) for name, st in states.items()}
@@ -338,16 +423,17 @@ class Snapshot:
         copier.start(dst, src)
         return cls(step, kept, rng_state, meta_d, plain=plain, copier=copier)
 
-    def restore(self, objects: dict[str, Stateful]) -> None:
-        """Load every saved state back (and the RNG states). Missing names raise KeyError."""
+    def restore(self, objects: dict[str, Stateful], *, rng: bool | RngKind = True) -> None:
+        """Load every saved state back, and the RNG states it holds (``rng="torch"``:
+        torch's only; False: none). Missing names raise KeyError."""
         missing = [n for n in objects if n not in self.states]
         if missing:
             raise KeyError(f"snapshot has no state for {missing}; it holds {sorted(self.states)}")
         self.wait()
         for name, obj in objects.items():
-            obj.load_state_dict(copy.deepcopy(self.states[name]))
-        if self.rng is not None:
-            _set_rng_state(self.rng)
+            obj.load_state_dict(_live_copy(self.states[name]))
+        if self.rng is not None and rng:
+            _set_rng_state(self.rng, "torch" if rng == "torch" else "all")
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write atomically to ``path`` (temp file, fsync, rename, fsync the folder),
@@ -360,7 +446,12 @@ class Snapshot:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
-        payload = {"step": self.step, "states": self.states, "rng": self.rng, "meta": self.meta}
+        # (a host snapshot's DTensor shards are written as DTensors: rebuilt on their
+        # device for the write, then let go)
+        payload = {
+            "step": self.step, "states": _live_copy(self.states, only_shards=True),
+            "rng": self.rng, "meta": self.meta,
+        }  # fmt: skip
         torch.save(payload, buf)
         data = buf.getbuffer()
         header = encode_header(self.step, self.run_id, data)
