@@ -326,9 +326,8 @@ class Guard(GuardPersistence):
             self._snapshot_pending = False
             self._state.rng = self._state.rng_now()
             self._keeper.take(step, self._stateful(), self._snapshot_meta(), {}, vetted=False)
-            # The forward writes buffers (BatchNorm's statistics): it waits for a host
-            # copy of them on the device, once (later snapshots are taken after it).
-            self._keeper.fence()
+        elif self._keeper.opens(self._ladder.good_steps):  # snapshot_overlap: copy now
+            self._keeper.take(step, self._stateful(), self._snapshot_meta(), {}, pending=True)
         if closures:
             self._state.rng = self._state.rng_now()  # the draws this step's forward makes
             try:
@@ -368,7 +367,8 @@ class Guard(GuardPersistence):
 
     def _unvouched(self, initial: bool) -> None:
         """A first step that failed before its read vetted the first snapshot: forget
-        that snapshot; the next step takes it again."""
+        that snapshot; the next step takes it again (and so for an overlapped copy)."""
+        self._keeper.settle()
         if initial:
             self._keeper.drop()
             self._snapshot_pending = True
@@ -382,6 +382,7 @@ class Guard(GuardPersistence):
             self._ladder = verdict.decision.state
             raise
         self._previous_applied = action == "applied"
+        self._keeper.settle()  # an overlapped copy the step did not vouch for
         self._end_step()
         result = StepResult(
             step,

@@ -84,6 +84,10 @@ class SnapshotKeeper:
         self.cadence = SnapshotCadence(policy.snapshot_every)
         self._accelerated = False  # the state is on an accelerator (set at the first take)
         self._on: Literal["host", "device"] | None = None  # where snapshots go (first take)
+        # snapshot_overlap: the copy taken as its step began, until vetted (or dropped),
+        # and the memory of the one before the current snapshot, reused for the next
+        self.pending: Snapshot | None = None
+        self._spare: Snapshot | None = None
 
     def age(self, next_step: int) -> int | None:
         """How many steps a resume from the newest snapshot on disk would run again
@@ -93,8 +97,28 @@ class SnapshotKeeper:
         return None if self.home is None or base is None else next_step - base
 
     def due(self, good_steps: int) -> bool:
-        """Whether the step about to be applied is a snapshot step."""
+        """Whether the step about to be applied is a snapshot step (with
+        ``snapshot_overlap``: whether a copy was taken as it began, to be vetted)."""
+        if self.policy.snapshot_overlap:
+            return self.pending is not None
         return self.cadence.due(good_steps)
+
+    def opens(self, good_steps: int) -> bool:
+        """With ``snapshot_overlap``: whether the step beginning now starts a snapshot's
+        copy (a snapshot is due and the first one was kept)."""
+        return (
+            self.policy.snapshot_overlap
+            and self.snapshot is not None
+            and self.pending is None
+            and self.cadence.due(good_steps)
+        )
+
+    def settle(self) -> None:
+        """The step is over: a copy it started and did not vouch for (the step was not
+        applied, or raised) is waited for and its memory kept for the next one."""
+        if self.pending is not None:
+            self.pending.wait()
+            self._spare, self.pending = self.pending, None
 
     def tick(self) -> None:
         """A step begins (its wall time feeds the snapshot budget)."""
@@ -103,8 +127,9 @@ class SnapshotKeeper:
     def fence(self) -> None:
         """Before the optimizer step overwrites the state: a host snapshot's copy still
         in flight is waited for on the device (no host wait)."""
-        if self.snapshot is not None:
-            self.snapshot.fence()
+        for snap in (self.snapshot, self.pending):
+            if snap is not None:
+                snap.fence()
 
     def _budget(self, on: str) -> float | None:
         b = self.policy.snapshot_budget
@@ -121,10 +146,20 @@ class SnapshotKeeper:
         *,
         vetted: bool = True,
         good_steps: int = 0,
+        pending: bool = False,
     ) -> None:
         """Snapshot ``objects`` before step ``step`` is applied, in memory (copied into
         the previous snapshot's memory) and, every ``disk_every``-th time, on disk.
-        ``vetted=False``: the state's check comes later (:meth:`vouch` or :meth:`drop`)."""
+        ``vetted=False``: the state's check comes later (:meth:`vouch` or :meth:`drop`).
+        ``pending``: with ``snapshot_overlap``, the copy as the step begins, into the
+        spare memory; the current snapshot stays the one a rollback restores until
+        the step is applied, when :meth:`take` makes this one current instead."""
+        if self.pending is not None and not pending:  # vetted, the step applied
+            snap, self.pending = self.pending, None
+            self._spare, self.snapshot = self.snapshot, snap
+            snap.meta = {**meta, "snapshots": self.taken}
+            self._taken(step, good_steps, vetted, amax)
+            return
         if self.snapshot is not None:  # what the last copy cost, for the budget
             self.cadence.cost(self.snapshot.copy_seconds())
         if self._on is None:  # "auto" decided once, from where the parameters are
@@ -134,16 +169,23 @@ class SnapshotKeeper:
         # Python's and NumPy's RNG states (~60 us) only in a snapshot bound for disk, for
         # a resume; a rollback in memory puts back torch's (see restore).
         to_disk = self.store is not None and self.taken % self.policy.disk_every == 0
-        self.snapshot = Snapshot.capture(
+        snap = Snapshot.capture(
             step,
             objects,
             meta={**meta, "snapshots": self.taken},
-            reuse=self.snapshot,
+            reuse=self._spare if pending else self.snapshot,
             on=self._on,
             rng=True if to_disk else "torch",
         )
-        self._accelerated = self._accelerated and self.snapshot.on == "host"
-        self.cadence.budget = self._budget(self.snapshot.on)
+        self._accelerated = self._accelerated and snap.on == "host"
+        self.cadence.budget = self._budget(snap.on)
+        if pending:
+            self.pending, self._spare = snap, None
+            return
+        self.snapshot = snap
+        self._taken(step, good_steps, vetted, amax)
+
+    def _taken(self, step: int, good_steps: int, vetted: bool, amax: dict[str, float]) -> None:
         self.cadence.taken(good_steps)
         self.taken += 1
         if self._first is None:
@@ -163,6 +205,9 @@ class SnapshotKeeper:
 
     def drop(self) -> None:
         """Forget a snapshot that failed its vetting (never restored, never written)."""
+        if self.pending is not None:
+            self.settle()
+            return
         if self.snapshot is not None:
             self.snapshot.wait()
         self.snapshot = None
@@ -269,6 +314,7 @@ class SnapshotKeeper:
 
     def restore(self, objects: dict[str, Any]) -> int:
         """Load the snapshot back into ``objects``; the step it was taken before."""
+        self.settle()  # a copy still reading the state waits before it is overwritten
         if self.snapshot is None:
             raise SnapshotError("no clean snapshot to roll back to")
         # torch's RNG goes back with the weights; Python's and NumPy's belong to the

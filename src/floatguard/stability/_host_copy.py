@@ -75,13 +75,30 @@ class HostCopy:
         self._stream: Any = None
         self._seconds: float | None = None
 
-    def start(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    def start(
+        self,
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        early: list[bool] | None = None,
+    ) -> None:
         """Copy ``src[i]`` into ``dst[i]`` (same shapes and dtypes). Accelerator sources:
         on a side stream after the current stream's work, non-blocking, timed by events;
-        the sources are marked as used by the side stream (``record_stream``)."""
+        the sources are marked as used by the side stream (``record_stream``).
+
+        ``early[i]``: ``src[i]`` is written by the work the current stream runs next (a
+        module buffer, which the forward updates in place: BatchNorm's statistics); it
+        is copied on the current stream itself, ordered before that work (still no host
+        wait), so only what nothing but the optimizer writes is copied alongside."""
         self.wait()  # a previous copy into these buffers must be over
         self._seconds = None
         device = self.runtime.asynchronous(src)
+        if device is not None and early is not None and any(early):
+            first = [i for i, e in enumerate(early) if e]
+            with torch.no_grad():
+                torch._foreach_copy_([dst[i] for i in first], [src[i] for i in first],
+                                     non_blocking=True)  # fmt: skip
+            rest = [i for i, e in enumerate(early) if not e]
+            dst, src = [dst[i] for i in rest], [src[i] for i in rest]
         if device is None:
             began = time.perf_counter()
             with torch.no_grad():
@@ -97,7 +114,8 @@ class HostCopy:
         self._begin, self._done = rt.event(), rt.event()
         with rt.use(side), torch.no_grad():
             self._begin.record(side)
-            torch._foreach_copy_(dst, src, non_blocking=True)
+            if dst:
+                torch._foreach_copy_(dst, src, non_blocking=True)
             self._done.record(side)
         for s in src:
             if s.device == device:

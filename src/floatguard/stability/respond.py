@@ -158,6 +158,13 @@ class ResponsePolicy:
     accelerator state, None on a CPU; None: every ``snapshot_every`` good steps,
     deterministic). A budget makes the cadence depend on measured times, so two runs
     with the same seed may snapshot at different steps (each snapshot is an event).
+
+    ``snapshot_overlap=True``: a snapshot is copied as its step begins (the state the
+    last update left), while the step's forward and backward run, and becomes the
+    rollback target once that step's read has vetted it and the step is applied;
+    until then the previous snapshot stays the target. That needs a second copy of
+    the state (twice the snapshot's memory, in host memory for host snapshots); the
+    copy then costs the step only what the forward and backward do not hide.
     """
 
     lr_backoff_after: int = 2
@@ -179,6 +186,7 @@ class ResponsePolicy:
     bad_data_stop_fraction: float = 0.5
     snapshot_on: SnapshotPlace = "auto"
     snapshot_budget: float | Literal["auto"] | None = "auto"
+    snapshot_overlap: bool = False
 
     def __post_init__(self) -> None:
         ints = (
@@ -226,6 +234,10 @@ class ResponsePolicy:
             raise ValueError(
                 f"ResponsePolicy.snapshot_budget={b!r} must be a fraction in (0, 1) of step "
                 "time (0.01: 1%), 'auto' or None (every snapshot_every good steps)"
+            )
+        if not isinstance(self.snapshot_overlap, bool):
+            raise ValueError(
+                f"ResponsePolicy.snapshot_overlap={self.snapshot_overlap!r} must be True or False"
             )
         if not 0 < self.lr_backoff_factor < 1:
             raise ValueError(

@@ -214,7 +214,11 @@ def _pair_up(old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor
 
 
 def _copy_into(
-    old: dict[str, Any], new: dict[str, Any], plain: set[str], copier: HostCopy | None = None
+    old: dict[str, Any],
+    new: dict[str, Any],
+    plain: set[str],
+    copier: HostCopy | None = None,
+    new_objects: dict[str, Stateful] | None = None,
 ) -> bool:
     """Copy each object's new state into the old state's tensors when the structure,
     shapes and dtypes match (one ``torch._foreach_copy_``; with ``copier``, the host
@@ -234,7 +238,7 @@ def _copy_into(
             return False
     try:
         if copier is not None:
-            copier.start(dst, src)
+            copier.start(dst, src, written_early(new_objects, src) if new_objects else None)
         else:
             with torch.no_grad():
                 if dst:
@@ -244,6 +248,18 @@ def _copy_into(
         return False
     old.update(rebuilt)
     return True
+
+
+def written_early(objects: dict[str, Stateful], src: list[torch.Tensor]) -> list[bool] | None:
+    """Which of ``src`` the next forward writes in place: the modules' buffers (by
+    memory; None when there are none), for :meth:`HostCopy.start`'s ``early``."""
+    ptrs = {
+        b.data_ptr() for m in objects.values() if isinstance(m, torch.nn.Module)
+        for b in m.buffers()
+    }  # fmt: skip
+    if not ptrs:
+        return None
+    return [s.data_ptr() in ptrs for s in src]
 
 
 def _host_tree(v: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
@@ -397,7 +413,7 @@ class Snapshot:
         if on not in ("host", "device"):
             raise ValueError(f"Snapshot.capture(on={on!r}); use 'host', 'device' or 'auto'")
         if reuse is not None and reuse.on == on:
-            if _copy_into(reuse.states, states, reuse.plain, reuse.copier):
+            if _copy_into(reuse.states, states, reuse.plain, reuse.copier, objects):
                 reuse.step, reuse.rng = step, (_rng_state(kind) if rng else None)
                 reuse.meta = meta_d
                 reuse.seconds = time.perf_counter() - began if on == "device" else None
@@ -420,7 +436,7 @@ class Snapshot:
         src: list[torch.Tensor] = []
         kept = {name: _host_tree(st, dst, src) for name, st in states.items()}
         copier = HostCopy()
-        copier.start(dst, src)
+        copier.start(dst, src, written_early(objects, src))
         return cls(step, kept, rng_state, meta_d, plain=plain, copier=copier)
 
     def restore(self, objects: dict[str, Stateful], *, rng: bool | RngKind = True) -> None:
