@@ -1,6 +1,6 @@
 """The GPU check (issue 26, item 3): what only an accelerator can show, in one table.
 
-On one CUDA device, in a few minutes (well under 5 on one H200), five checks print one
+On one CUDA device, in a few minutes (well under 5 on one H200), six checks print one
 markdown table (check | measured | expected | verdict):
 
 (a) ``sync_check``: guarded steps of a GPT at two sizes, bf16 and fp16, under
@@ -19,6 +19,10 @@ markdown table (check | measured | expected | verdict):
     guard and with it (defaults; and each ``ResponsePolicy.snapshot_on`` place where the
     policy has that field), the difference in MiB and as a share of weights + optimizer
     state.
+(f) ``overlap_check``: a host snapshot at every step (``snapshot_every=1``, no budget),
+    its copy after the backward (the update waits for it) or overlapping the forward
+    and backward (``snapshot_overlap=True``), each against the peer loop in one run,
+    bf16, on the larger model: how much of the copy the overlap hides.
 (e) ``native_stats_check``: :func:`floatguard.tensor_stats` on device tensors against
     the same statistics of the CPU copy (the one-pass C kernel there), the stats
     monitor's records, ``Guard(watch="hooks")`` and ``Guard(stats_every=2)`` on the
@@ -670,6 +674,42 @@ def memory_check(backend: Backend, sizes: Sizes, places: Sequence[str] | None = 
     return rows
 
 
+# ------------------------------------------------------------------------- (f) overlap
+def overlap_check(backend: Backend, sizes: Sizes) -> list[Row]:
+    """(f) A host snapshot at every step, without and with ``snapshot_overlap``, against
+    the peer loop (bf16, the last model): the overlapped copy should cost less. Where the
+    policy has no ``snapshot_overlap`` field: nothing to measure."""
+    names = {f.name for f in dataclasses.fields(ResponsePolicy)}
+    if "snapshot_overlap" not in names:
+        return []
+    name, cfg, batch = sizes.models[-1]
+    guards, contenders = [], {"peer": peer(backend, cfg, batch, "bf16")}
+    for overlap in (False, True):
+        kwargs: dict[str, Any] = {
+            "snapshot_every": 1, "snapshot_budget": None, "snapshot_on": "host",
+            "snapshot_overlap": overlap,
+        }  # fmt: skip
+        step, g = guarded(backend, cfg, batch, "bf16", response=ResponsePolicy(**kwargs))
+        contenders["overlap" if overlap else "after"] = step
+        guards.append(g)
+    med = time_rounds(backend, contenders, sizes.bench_steps, sizes.bench_rounds, sizes.warmup)
+    for g in guards:
+        g.close()
+    ref = med["peer"]
+    rows = []
+    for key, label in (("after", "copy after the backward"), ("overlap", "snapshot_overlap")):
+        ratio = med[key] / ref
+        rows.append(
+            Row(
+                f"(f) {name}, bf16: host snapshot every step, {label} / autocast + clip",
+                f"{ratio:.3f}x ({med[key] * 1e3:.2f} vs {ref * 1e3:.2f} ms/step)",
+                "the overlapped copy costs less" if key == "overlap" else "no target",
+                "INFO" if key == "after" or med["overlap"] <= med["after"] else "WARN",
+            )
+        )
+    return rows
+
+
 # ----------------------------------------------------------------------- (e) statistics
 SPECIALS = [
     0.0, -0.0, 2.0**-149, -(2.0**-149), 2.0**-126, -(2.0**-126), 2.0**-24, 2.0**-14, 1.0,
@@ -838,6 +878,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("(c) FP8 GEMM", fp8_gemm_check),
     ("(d) memory", memory_check),
     ("(e) native statistics", native_stats_check),
+    ("(f) overlap", overlap_check),
 )
 
 

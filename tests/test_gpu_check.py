@@ -362,7 +362,7 @@ def test_main_prints_one_table(
     assert table[:2] == ["| check | measured | expected | verdict |", "|---|---|---|---|"]
     assert all(line.startswith("| ") and line.count(" | ") >= 3 for line in table[2:])
     checks = {line.split(" ", 2)[1] for line in table[2:]}
-    assert checks == {"(a)", "(b)", "(c)", "(d)", "(e)"}
+    assert checks == {"(a)", "(b)", "(c)", "(d)", "(e)", "(f)"}
     failed = [line for line in table if line.endswith("| FAIL |")]
     # on a CPU only the overhead target may be missed (timing noise), nothing else
     assert all("(b)" in line for line in failed), failed
@@ -385,3 +385,16 @@ def test_a_check_that_raises_is_one_fail_row(gc: ModuleType, backend: Any, sizes
 def test_render_escapes_bars(gc: ModuleType) -> None:
     table = gc.render([gc.Row("a | b", "x", "y", "INFO")])
     assert table.splitlines()[2] == "| a \\| b | x | y | INFO |"
+
+
+# --------------------------------------------------------------------------------- (f)
+def test_overlap_rows(gc: ModuleType, cuda: FakeCuda, backend: Any, sizes: Any) -> None:
+    rows = gc.overlap_check(backend, sizes)
+    assert [r.check.split("every step, ")[1].split(" /")[0] for r in rows] == [
+        "copy after the backward",
+        "snapshot_overlap",
+    ]
+    for r in rows:
+        assert re.fullmatch(r"\d+\.\d{3}x \(\d+\.\d\d vs \d+\.\d\d ms/step\)", r.measured), r
+    assert rows[0].verdict == "INFO" and rows[1].verdict in ("INFO", "WARN")
+    assert cuda.syncs >= 2 * 3 * sizes.bench_rounds  # around every round of 3 contenders

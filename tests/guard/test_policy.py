@@ -451,3 +451,16 @@ def test_state_round_trips_through_snapshot_meta() -> None:
         "lr_recover_step": 2, "snapshots": 3,
     }  # fmt: skip
     assert LadderState.from_meta(old) == replace(state, input_streak=0, input_recent=())
+
+
+def test_ladder_state_replace_is_dataclasses_replace() -> None:
+    import dataclasses
+
+    from floatguard.guard.policy import LadderState
+
+    s = LadderState(good_steps=3, lr_factor=0.5, input_recent=(True, False))
+    changes = {"good_steps": 4, "lr_recover_from": 0.25, "rolled_back_for": None}
+    assert s.replace(**changes) == dataclasses.replace(s, **changes)
+    assert s.good_steps == 3  # the original is unchanged (frozen)
+    with pytest.raises(TypeError, match="goodsteps"):
+        s.replace(goodsteps=1)

@@ -20,6 +20,7 @@ state; nothing here touches a tensor, so every rule is one row of a table test
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -105,6 +106,17 @@ class LadderState:
     input_streak: int = 0
     input_recent: tuple[bool, ...] = ()
 
+    def replace(self, **changes: Any) -> LadderState:
+        """``dataclasses.replace`` for this state of plain values, without its per-field
+        machinery (~1 us against ~9: it runs on every step); an unknown name raises."""
+        unknown = changes.keys() - _LADDER_FIELDS
+        if unknown:
+            raise TypeError(f"LadderState has no field(s) {sorted(unknown)}")
+        new = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        return new
+
     def to_meta(self) -> dict[str, Any]:
         """The counters under the keys snapshots have always used (plus the new ones)."""
         return {
@@ -140,6 +152,9 @@ class LadderState:
             input_streak=int(meta.get("input_streak", 0)),
             input_recent=tuple(bool(b) for b in meta.get("input_recent", ())),
         )
+
+
+_LADDER_FIELDS = frozenset(f.name for f in dataclasses.fields(LadderState))
 
 
 @dataclass(frozen=True)
@@ -196,7 +211,7 @@ def decide(evidence: Evidence, state: LadderState, policy: ResponsePolicy) -> De
             return _transient(state, policy, "transient")
         return _ladder(evidence, state, policy, evidence.spike)
     if state.skip_remaining > 0:
-        state = dataclasses.replace(state, skip_remaining=state.skip_remaining - 1)
+        state = state.replace(skip_remaining=state.skip_remaining - 1)
         return Decision("skip", "after_rollback", state)
     return Decision("apply", None, state)
 
@@ -229,7 +244,7 @@ def _ladder(
 ) -> Decision:
     """Skip; after ``lr_backoff_after`` bad steps in a row back the LR off; after
     ``rollback_after`` roll back (and back the LR off once more)."""
-    state = dataclasses.replace(state, consecutive_bad=state.consecutive_bad + 1)
+    state = state.replace(consecutive_bad=state.consecutive_bad + 1)
     if state.consecutive_bad >= policy.rollback_after:
         return _rollback(evidence, state, policy, cause, lr_backoff=True)
     if state.consecutive_bad >= policy.lr_backoff_after:
@@ -240,7 +255,7 @@ def _ladder(
 def _back_off_lr(state: LadderState, policy: ResponsePolicy) -> LadderState:
     """The one LR back-off: multiply the factor, then recover linearly from there."""
     factor = state.lr_factor * policy.lr_backoff_factor
-    return dataclasses.replace(state, lr_factor=factor, lr_recover_from=factor, lr_recover_step=0)
+    return state.replace(lr_factor=factor, lr_recover_from=factor, lr_recover_step=0)
 
 
 def _rollback(
@@ -253,7 +268,7 @@ def _rollback(
 ) -> Decision:
     fault = evidence.fault
     streak = 0 if state.good_since_rollback >= policy.rollback_window else state.rollback_streak
-    state = dataclasses.replace(state, rollback_streak=streak + 1, good_since_rollback=0)
+    state = state.replace(rollback_streak=streak + 1, good_since_rollback=0)
     restore = cause in ("nonfinite_param", "nonfinite_optimizer_state", "optimizer_update")
     if state.rollback_streak > policy.max_rollbacks:
         return _stop(
@@ -266,8 +281,7 @@ def _rollback(
         )
     if not evidence.has_clean_snapshot:
         return _stop(state, cause, "no_clean_snapshot", fault)
-    state = dataclasses.replace(
-        state,
+    state = state.replace(
         rollbacks=state.rollbacks + 1,
         consecutive_bad=0,
         skip_remaining=policy.skip_batches,
@@ -281,7 +295,7 @@ def _rollback(
 
 
 def _transient(state: LadderState, policy: ResponsePolicy, cause: Cause) -> Decision:
-    state = dataclasses.replace(state, transients=state.transients + 1)
+    state = state.replace(transients=state.transients + 1)
     warning = None
     if state.transients in (policy.transient_warn_after, 10 * policy.transient_warn_after):
         warning = (
@@ -296,9 +310,7 @@ def _input_seen(state: LadderState, policy: ResponsePolicy, bad: bool) -> Ladder
     if not bad and state.input_streak == 0 and True not in state.input_recent:
         return state  # no bad batch in the window: nothing to slide (and no copy per step)
     recent = (*state.input_recent, bad)[-policy.bad_data_window :]
-    return dataclasses.replace(
-        state, input_streak=state.input_streak + 1 if bad else 0, input_recent=recent
-    )
+    return state.replace(input_streak=state.input_streak + 1 if bad else 0, input_recent=recent)
 
 
 def _bad_batch(state: LadderState, policy: ResponsePolicy) -> Decision:
@@ -354,8 +366,7 @@ def applied(state: LadderState, policy: ResponsePolicy) -> LadderState:
         factor = state.lr_recover_from + (1.0 - state.lr_recover_from) * frac
         recover = state.lr_recover_from if frac < 1.0 else None
         factor = factor if frac < 1.0 else 1.0
-    return dataclasses.replace(
-        state,
+    return state.replace(
         good_steps=state.good_steps + 1,
         consecutive_bad=0,
         good_since_rollback=state.good_since_rollback + 1,
@@ -367,4 +378,4 @@ def applied(state: LadderState, policy: ResponsePolicy) -> LadderState:
 
 def snapshot_taken(state: LadderState) -> LadderState:
     """A new clean snapshot: training went on past the fault the last rollback answered."""
-    return dataclasses.replace(state, rolled_back_for=None)
+    return state.replace(rolled_back_for=None)
