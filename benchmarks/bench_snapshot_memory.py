@@ -3,7 +3,8 @@ AdamW, plain and under the guard with its snapshots in each place, each in a fre
 process (peak RSS growth over the process after the model, optimizer state and one
 step exist). On a CPU host and device memory are the same, so ``snapshot_on="host"``
 and ``"device"`` cost the same here: what the guard adds is one copy of weights and
-moments (the snapshot, reused in place) plus its per-step saves. On CUDA the device
+moments (the snapshot, reused in place) plus its per-step saves; with
+``snapshot_overlap=True`` (``host+overlap``) two copies, used in turn. On CUDA the device
 side is measured by ``benchmarks/gpu_check.py`` (peak allocated with and without it).
 
     python benchmarks/bench_snapshot_memory.py [--steps N]
@@ -40,7 +41,9 @@ if variant == "plain":
         closure().backward(); opt.step(); opt.zero_grad(set_to_none=True)
 else:
     from floatguard import Guard, ResponsePolicy
-    g = Guard(model, opt, response=ResponsePolicy(snapshot_on=variant))
+    place, _, overlap = variant.partition("+")
+    g = Guard(model, opt, response=ResponsePolicy(snapshot_on=place, snapshot_every=2,
+                                                  snapshot_overlap=bool(overlap)))
     for _ in range(steps):
         g.step(closure)
 state = sum(p.numel() * 4 * 3 for p in model.parameters()) / 2**20
@@ -54,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     print("| 25M-parameter MLP, AdamW, CPU | peak RSS growth MiB | weights + moments MiB |")
     print("|---|---:|---:|")
-    for variant in ("plain", "device", "host"):
+    for variant in ("plain", "device", "host", "host+overlap"):
         out = subprocess.run(
             [sys.executable, "-c", CHILD, variant, str(args.steps)],
             check=True,
@@ -63,7 +66,10 @@ def main() -> None:
             env={"MALLOC_MMAP_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"},
         ).stdout
         r = json.loads(out.strip().splitlines()[-1])
-        name = "plain loop" if variant == "plain" else f'Guard, snapshot_on="{variant}"'
+        place, _, overlap = variant.partition("+")
+        name = "plain loop" if variant == "plain" else f'Guard, snapshot_on="{place}"'
+        if overlap:
+            name += ", snapshot_overlap=True"
         print(f"| {name} | {r['growth']:.0f} | {r['state']:.0f} |")
 
 

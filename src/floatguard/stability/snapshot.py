@@ -253,10 +253,12 @@ def _copy_into(
 def written_early(objects: dict[str, Stateful], src: list[torch.Tensor]) -> list[bool] | None:
     """Which of ``src`` the next forward writes in place: the modules' buffers (by
     memory; None when there are none), for :meth:`HostCopy.start`'s ``early``."""
-    ptrs = {
-        b.data_ptr() for m in objects.values() if isinstance(m, torch.nn.Module)
-        for b in m.buffers()
-    }  # fmt: skip
+    with torch.no_grad():  # (a DTensor buffer by its local part, as the copy has it)
+        ptrs = {
+            (b.to_local() if is_dtensor(b) else b).data_ptr()  # type: ignore[attr-defined]
+            for m in objects.values() if isinstance(m, torch.nn.Module)
+            for b in m.buffers()
+        }  # fmt: skip
     if not ptrs:
         return None
     return [s.data_ptr() in ptrs for s in src]
