@@ -158,12 +158,14 @@ class HostShard:
     rank is the shard's size, not the model's. :meth:`rebuild` makes the DTensor
     again, its local part copied back to the mesh's device (a rollback or a save)."""
 
-    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+    __slots__ = ("device", "local", "mesh", "placements", "shape", "stride")
 
     def __init__(self, t: torch.Tensor) -> None:
         d: Any = t
         with torch.no_grad():
-            self.local = host_buffer(d.to_local())
+            part = d.to_local()
+            self.device = part.device  # where the shard goes back (not the current device)
+            self.local = host_buffer(part)
         self.mesh = d.device_mesh
         self.placements = tuple(d.placements)
         self.shape = tuple(d.shape)
@@ -184,7 +186,7 @@ class HostShard:
         """The DTensor again, its local part a new copy on the mesh's device."""
         from torch.distributed.tensor import DTensor
 
-        local = self.local.to(self.mesh.device_type, copy=True)
+        local = self.local.to(self.device, copy=True)
         out: torch.Tensor = DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
             stride=self.stride,

@@ -164,7 +164,8 @@ class ResponsePolicy:
     rollback target once that step's read has vetted it and the step is applied;
     until then the previous snapshot stays the target. That needs a second copy of
     the state (twice the snapshot's memory, in host memory for host snapshots); the
-    copy then costs the step only what the forward and backward do not hide.
+    copy then costs the step only what the forward and backward do not hide (with
+    ``step(closure)``; in the three-call loop they have run before ``step()``).
     """
 
     lr_backoff_after: int = 2
