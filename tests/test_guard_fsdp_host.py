@@ -17,17 +17,7 @@ from floatguard import Guard, ResponsePolicy
 from floatguard.stability._host_copy import HostShard
 
 from ._ranks import run_ranks
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 16)
-        self.act = nn.Tanh()
-        self.fc2 = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+from .test_distributed_ranks import Net
 
 
 def _leaves(v: Any) -> list[Any]:
