@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_guard.
 STEPS = 8
 ARGS = ["--steps", str(STEPS), "--snapshot-every", "2"]
 LAUNCH_TIMEOUT_S = 90.0  # of every torchrun (a generous bound: each takes seconds)
+NODE_GRACE_S = 10.0  # how long the other nodes may run on after one node failed
 DONE = re.compile(r"rank (\d+): steps (\d+)\.\.(\d+) \(([^)]*)\); weights ([0-9a-f]{16})")
 
 
@@ -58,18 +61,33 @@ def _start(
 
 
 def _wait(procs: list[subprocess.Popen[str]]) -> list[Launch]:
-    """Every launcher's exit code and output; past the timeout all are killed (a hang)."""
-    launches = []
-    try:
-        for p in procs:
-            output, _ = p.communicate(timeout=LAUNCH_TIMEOUT_S)
-            launches.append(Launch(p.returncode, output))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-        raise AssertionError(f"torchrun still running after {LAUNCH_TIMEOUT_S} s: a hang") from None
+    """Every launcher's exit code and output; past the timeout all are killed (a hang).
+    A node that failed ends the others ``NODE_GRACE_S`` later (they would wait for it at
+    torchrun's exit barrier for 300 s)."""
+    outputs: list[list[str]] = [[] for _ in procs]
+
+    def read(p: subprocess.Popen[str], into: list[str]) -> None:  # a full pipe would block p
+        into.append(p.stdout.read() if p.stdout else "")
+
+    readers = [threading.Thread(target=read, args=po) for po in zip(procs, outputs, strict=True)]
+    for r in readers:
+        r.start()
+    deadline, failed_at = time.monotonic() + LAUNCH_TIMEOUT_S, None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > NODE_GRACE_S:
+            break
+        time.sleep(0.05)
+    hung = [p for p in procs if p.poll() is None]
+    for p in hung:
+        os.killpg(p.pid, signal.SIGKILL)
+    for r in readers:
+        r.join()
+    launches = [Launch(p.wait(), "".join(o)) for p, o in zip(procs, outputs, strict=True)]
+    if hung and failed_at is None:
+        said = "\n=====\n".join(n.output[-3000:] for n in launches)
+        raise AssertionError(f"torchrun still running after {LAUNCH_TIMEOUT_S} s: a hang\n{said}")
     return launches
 
 

@@ -10,6 +10,14 @@ Words used here:
   thread is blocked in a collective still answers; one that does not is gone.
 - *flushing*: waiting (bounded) until the messages sent are out, before a process that
   stops may exit. A gloo send reports its completion only through ``wait``.
+- *bye*: a rank's last message of its own (sent once, by guard.finish(), guard.close()
+  or at exit; its listener still answers status questions until it ends).
+  The listener ends once every peer has said it, so no receive is left pending when the
+  interpreter finalizes (:meth:`Mailbox.drain`): a receive that completes then wakes the
+  listener's thread inside gloo's wait, and a daemon thread taking the GIL back while
+  the interpreter finalizes is ended by the interpreter in the middle of C++ code,
+  which aborts the process (SIGABRT, "terminate called without an active exception")
+  after a run that ended well.
 
 No home-made transport: everything goes through torch.distributed.
 """
@@ -54,7 +62,9 @@ class Mailbox:
         self._sends: list[Any] = []
         self._replies: dict[int, dict[int, dict[str, Any]]] = {}
         self._asked = 0
-        self.closed = False
+        self._byes: set[int] = set()  # the peers that said bye (they send nothing more)
+        self._said_bye = False
+        self._listener: threading.Thread | None = None
         try:  # every rank of the group builds its guard together; only they take part
             self.group: Any = dist.new_group(
                 ranks=ranks, backend="gloo", use_local_synchronization=True
@@ -69,8 +79,10 @@ class Mailbox:
 
     def start(self) -> None:
         """Start the listener (once its owner is ready for messages)."""
-        if self.group is not None:
-            threading.Thread(target=self._listen, name="floatguard-peers", daemon=True).start()
+        if self.group is not None and self._listener is None:
+            self._listener = threading.Thread(target=self._listen, name="floatguard-peers",
+                                              daemon=True)  # fmt: skip
+            self._listener.start()
 
     @property
     def available(self) -> bool:
@@ -112,24 +124,60 @@ class Mailbox:
             except RuntimeError:  # a peer that is gone, or the time is up
                 pass
 
-    def ask(self) -> dict[int, dict[str, Any] | None]:
-        """Every peer's status (None: no answer within :data:`ASK_S` seconds: gone)."""
+    @property
+    def listening(self) -> bool:
+        """The listener runs (a receive is pending): a peer has not said bye yet."""
+        return self._listener is not None and self._listener.is_alive()
+
+    def bye(self) -> None:
+        """Say bye to every peer (once): this rank sends nothing more of its own (its
+        listener still answers status questions until every peer has said bye)."""
+        if self.group is None or self._said_bye:
+            return
+        self._said_bye = True
+        self.send_all({"kind": "bye", "rank": self.rank})
+        self.flush(1.0)
+
+    def drain(self, seconds: float) -> None:
+        """Wait (at most ``seconds``) until the listener has ended: every peer said bye,
+        or the ones that did not are gone (they do not answer a status question, asked
+        every second). Called at exit, before the interpreter finalizes (see the module);
+        past ``seconds`` the receive stays pending, and a peer's message arriving during
+        the few milliseconds of finalization would still abort the process."""
+        deadline = last_ask = time.monotonic()
+        deadline += seconds
+        while self.listening and time.monotonic() < deadline:
+            if time.monotonic() - last_ask >= 1.0:
+                with self._lock:
+                    late = [r for r in range(self.world) if r != self.rank and r not in self._byes]
+                status = self.ask(late)
+                if all(status.get(r) is None for r in late):
+                    return  # gone: they send nothing more
+                last_ask = time.monotonic()
+            assert self._listener is not None
+            self._listener.join(0.02)
+
+    def ask(self, peers: list[int] | None = None) -> dict[int, dict[str, Any] | None]:
+        """Each peer's status (of ``peers``, default all; None: no answer within
+        :data:`ASK_S` seconds: gone)."""
+        asked = [r for r in range(self.world) if r != self.rank] if peers is None else peers
         with self._lock:
             self._asked += 1
             qid = self._asked
             self._replies[qid] = {}
-        self.send_all({"kind": "status?", "rank": self.rank, "id": qid})
+        for r in asked:
+            self.send(r, {"kind": "status?", "rank": self.rank, "id": qid})
         deadline = time.monotonic() + ASK_S
-        while time.monotonic() < deadline and len(self._replies[qid]) < self.world - 1:
+        while time.monotonic() < deadline and len(self._replies[qid]) < len(asked):
             time.sleep(0.005)
         with self._lock:
             got = self._replies.pop(qid)
-        return {r: got.get(r) for r in range(self.world) if r != self.rank}
+        return {r: got.get(r) for r in asked}
 
     def _listen(self) -> None:
         import torch.distributed as dist
 
-        while not self.closed:
+        while len(self._byes) < self.world - 1:
             buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
             try:
                 work = dist.irecv(buf, group=self.group, tag=_TAG)  # from any rank
@@ -149,5 +197,8 @@ class Mailbox:
                 with self._lock:
                     if record.get("id") in self._replies:
                         self._replies[record["id"]][peer] = record
+            elif kind == "bye" and isinstance(peer, int):
+                with self._lock:
+                    self._byes.add(peer)
             else:
                 self.on_message(record)

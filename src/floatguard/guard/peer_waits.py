@@ -376,6 +376,7 @@ class PeerWaits:
                 "instead)\n"
             )
             sys.stderr.flush()
+            self.mail.bye()  # the peers need not wait for this rank at their exit
             os._exit(1)
 
     @contextmanager

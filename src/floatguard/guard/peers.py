@@ -33,7 +33,9 @@ from floatguard.guard.peer_mail import Mailbox
 from floatguard.guard.peer_state import PREFIX, describe, ranks_text
 from floatguard.guard.peer_waits import PeerWaits
 
-__all__ = ["Peers"]
+__all__ = ["EXIT_DRAIN_S", "Peers"]
+
+EXIT_DRAIN_S = 10.0  # how long a process waits at exit for its peers' byes (see _at_exit)
 
 
 class Peers(PeerWaits):
@@ -91,6 +93,7 @@ class Peers(PeerWaits):
                        "than another)", (p,), steps, tell=False)  # fmt: skip
             self.raise_if_failed()
         self.state.done = "finished"
+        self.mail.bye()  # every peer has finished: the channel is done with
 
     def _await_finishes(self, steps: int) -> dict[int, int]:
         """Every peer's finish (or exit) message: its step count, by rank."""
@@ -225,38 +228,42 @@ class Peers(PeerWaits):
             sys.stderr.flush()
         except (OSError, ValueError, AttributeError):
             pass
+        try:
+            self.mail.bye()  # the peers need not wait for this rank at their exit
+        except Exception:  # the group is already gone
+            pass
         os._exit(1)
 
     def _at_exit(self) -> None:
-        """The process ends: a rank that neither finished nor failed tells the others; a
-        rank that failed with a collective left pending ends at once (_end_at_exit)."""
+        """The process ends: a rank that failed with a collective left pending ends at
+        once (_end_at_exit); one that neither finished nor failed tells the others; then
+        bye, and the listener drained (:meth:`Mailbox.drain`, at most
+        :data:`EXIT_DRAIN_S`) before the interpreter finalizes."""
         s = self.state
-        if self.failure is not None:
-            if self._pending():
-                self._end_at_exit()
+        if self.failure is not None and self._pending():
+            self._end_at_exit()
+        if not self.mail.available:
             return
-        if not self.mail.available or s.done is not None or self._closed:
-            return
-        last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        error = None if last is None else f"{type(last).__name__}: {last}"[:700]
         try:
-            self.mail.send_all({"kind": "exited", "rank": self.rank, "steps": s.steps,
-                                "error": error})  # fmt: skip
-            self.mail.flush(1.0)
+            if self.failure is None and s.done is None and not self._closed:
+                last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+                error = None if last is None else f"{type(last).__name__}: {last}"[:700]
+                self.mail.send_all({"kind": "exited", "rank": self.rank, "steps": s.steps,
+                                    "error": error})  # fmt: skip
+            self.mail.bye()
+            self.mail.drain(EXIT_DRAIN_S)
         except Exception:  # the group is already gone
             pass
 
     def close(self) -> None:
-        """Stop the watchdog (the listener's pending receive is left to the process's
-        exit). A guard closed without :meth:`finish` (and not failed) tells the peers it
-        is done, after how many steps."""
+        """Stop the watchdog and say bye (the listener ends when every peer has; at exit
+        the process waits for that, see :meth:`_at_exit`). A guard closed without
+        :meth:`finish` (and not failed) tells the peers it is done, after how many steps."""
         s = self.state
         if s.done is None and self.failure is None and self.mail.available:
             self.mail.send_all({"kind": "finished", "rank": self.rank, "step": s.steps,
                                 "how": "guard.close()"})  # fmt: skip
-            self.mail.flush(1.0)
             s.done = "closed"
-        self._closed = self.mail.closed = True
+        self._closed = True
+        self.mail.bye()
         self._wake.set()
-        if self.failure is None:  # a failed rank may still have to end at exit
-            atexit.unregister(self._at_exit)

@@ -1,0 +1,81 @@
+"""A rank's process ends cleanly after a good run, whatever its peers do meanwhile: no
+receive of the peer channel is left pending while the interpreter finalizes (a message
+arriving then woke the listener's thread inside gloo's wait, and the interpreter ended
+that thread in the middle of C++ code: SIGABRT, "terminate called without an active
+exception", about one torchrun launch of 2 nodes in ten on a loaded machine).
+
+Two interpreters, as torchrun starts them (the at-exit handlers run, as in a script);
+rank 0's teardown is made slow (an object whose finalizer sleeps), so a peer's message
+would land inside it every time, not by chance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = """
+import sys, time, torch, torch.distributed as dist
+from torch import nn
+from floatguard import Guard
+
+rank, init, how, late = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.05))
+x, y = torch.randn(8, 4), torch.randn(8, 1)
+for _ in range(3):
+    guard.step(lambda: ((model(x) - y) ** 2).mean())
+if rank == 1:
+    time.sleep(late)  # rank 1 ends later than rank 0: its messages come after rank 0's end
+if how == "close":
+    guard.close()
+
+
+class SlowTeardown:
+    def __del__(self) -> None:  # runs while the interpreter finalizes
+        time.sleep(3.0)
+
+
+if rank == 0:
+    teardown = SlowTeardown()
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def _run(tmp_path: Path, how: str, late: float) -> list[tuple[int, str]]:
+    script = tmp_path / "ends.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "init"), how,
+                          str(late)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=env)
+        for r in (0, 1)
+    ]  # fmt: skip
+    ends = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=90)
+            ends.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return ends
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_peers_later_end_does_not_abort_a_rank_in_teardown(tmp_path: Path, how: str) -> None:
+    """Rank 1 closes its guard (or, ``exit``, just exits: its at-exit handler tells the
+    peers) a second after rank 0's interpreter began finalizing: rank 0 waits at exit
+    for rank 1's bye, then finalizes with nothing pending, exit code 0 on both."""
+    ends = _run(tmp_path, how, late=1.0)
+    for rank, (rc, out) in enumerate(ends):
+        assert "terminate called" not in out, out
+        assert rc == 0 and f"rank {rank} done" in out, (rank, rc, out)
