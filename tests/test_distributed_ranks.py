@@ -339,3 +339,60 @@ def test_a_ddp_model_with_its_own_comm_hook_keeps_it(tmp_path: Path) -> None:
     res = run_ranks(_own_hook_worker, 2, tmp_path, timeout=120)
     assert res[0]["actions"] == res[1]["actions"]
     assert res[0]["actions"][3] == ("skipped", "nonfinite_input", 1)
+
+
+def _two_guards_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    import copy
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    net = Net()
+    model = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(40 + rank)
+
+    def run(guard: Guard, steps: int, nan_at: int) -> list[tuple[str, str | None, int | None]]:
+        actions = []
+        for step in range(steps):
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+            if rank == 1 and step == nan_at:
+                x[2, 0] = math.nan
+            r = guard.step(lambda x=x, y=y: ((model(x) - y) ** 2).mean())
+            actions.append((r.action, r.reason, None if r.fault is None else r.fault.rank))
+        return actions
+
+    first = Guard(model, opt)
+    before = run(first, 3, nan_at=1)
+    first.close()
+    # The closed guard's model trains under plain DDP: its gradient is DDP's average.
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+    local = copy.deepcopy(net)
+    ((local(x) - y) ** 2).mean().backward()
+    expected = [p.grad.div_(world) for p in local.parameters()]
+    for e in expected:
+        dist.all_reduce(e)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    pairs = zip(model.parameters(), expected, strict=True)
+    plain_ddp = all(torch.equal(p.grad, e) for p, e in pairs)
+    opt.zero_grad()
+    second = Guard(model, opt)  # on the same DDP model
+    after = run(second, 4, nan_at=2)
+    second.finish()
+    second.close()
+    return {"before": before, "after": after, "plain_ddp": plain_ddp}
+
+
+def test_a_second_guard_on_the_same_ddp_model(tmp_path: Path) -> None:
+    """DDP takes one comm hook per model, for good: the first guard's stays registered,
+    runs DDP's default all-reduce once that guard is closed (a plain DDP step's gradient
+    is exactly the ranks' average), and the next guard takes it over. Before, the
+    closed guard's hook answered the second guard's steps: GuardDesync on every rank."""
+    res = run_ranks(_two_guards_worker, 2, tmp_path, timeout=120)
+    for r in (0, 1):
+        assert res[r]["plain_ddp"], r
+        assert res[r]["before"][1] == ("skipped", "nonfinite_input", 1), res[r]
+        assert res[r]["after"][2] == ("skipped", "nonfinite_input", 1), res[r]
+        assert [a for a, _, _ in res[r]["after"]] == ["applied", "applied", "skipped", "applied"]
+    assert res[0] == res[1]

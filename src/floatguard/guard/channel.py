@@ -32,7 +32,7 @@ from torch import nn
 
 from floatguard._foreach import is_dtensor, reduce_partial_grads
 from floatguard.distributed import config_fingerprint
-from floatguard.guard.ddp_hook import DDPReadHook
+from floatguard.guard.ddp_hook import DDPReadHook, attach, detach
 from floatguard.guard.grad_norm import PlacementNorm
 from floatguard.guard.peers import Peers
 from floatguard.guard.step_check import HEAD, desync_error, encode, leaves, pack, unpack
@@ -112,11 +112,7 @@ class ReadChannel:
         if self.peers is None or not isinstance(self.model, nn.parallel.DistributedDataParallel):
             return None
         hook = DDPReadHook(group, self.peers)
-        try:
-            self.model.register_comm_hook(None, hook.as_comm_hook())
-        except RuntimeError:  # "can only be called once": the user's hook stays
-            return None
-        return hook
+        return hook if attach(self.model, hook) else None  # the user's own hook stays
 
     # ------------------------------------------------------------ the run
     def begin(self, step: int) -> None:
@@ -282,5 +278,7 @@ class ReadChannel:
             self.peers.announce_failure(step, error)
 
     def close(self) -> None:
+        if self.ddp_hook is not None:  # the model's DDP all-reduce is DDP's default again
+            detach(self.model, self.ddp_hook)
         if self.peers is not None:
             self.peers.close()

@@ -9,6 +9,10 @@ Words used here:
   not, so the all-reduce has the same size on every rank: a backward outside
   guard.step() on one rank meets the others' guard step as an unarmed read (a
   GuardDesync naming it), never as a collective of another size (which crashes gloo).
+- *the slot*: what is registered on the model (DDP takes one comm hook per model, for
+  good): :class:`CommHookSlot` runs the open guard's :class:`DDPReadHook`, or DDP's
+  default all-reduce once that guard is closed; a later guard on the same model takes
+  the slot over (:func:`attach`).
 - *gated*: every CPU bucket's future is :meth:`Peers.gated`'s, completed with the
   all-reduce or with this rank's failure, so DDP's backward raises a peer's failure, a
   finish, a lost connection or the timeout instead of waiting forever. A CUDA bucket
@@ -23,16 +27,18 @@ bad-step all-gather names the rank, and the armed count still catches the desync
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from floatguard.distributed import GuardDesync
 from floatguard.guard.peers import Peers
 from floatguard.guard.step_check import bad_ranks_of, differing, encode, slot_count
 
-__all__ = ["Carried", "DDPReadHook"]
+__all__ = ["Carried", "CommHookSlot", "DDPReadHook", "attach", "detach"]
 
 _EXTRA_HEAD = 4  # loss, bad bits, armed count, armed bits; then the slots
 _MANTISSA = {torch.float32: 24, torch.float64: 53}
@@ -50,8 +56,8 @@ class Carried:
 
 
 class DDPReadHook:
-    """Registered by the guard with ``register_comm_hook`` (when the model has no hook of
-    its own); without a pending read it is DDP's default all-reduce (gradients divided
+    """The guard's comm hook, run by the model's :class:`CommHookSlot` (when the model has
+    no hook of its own); without a pending read it is DDP's default all-reduce (gradients divided
     by the world size, then summed), plus the unarmed carried read on the last bucket."""
 
     def __init__(self, group: Any, peers: Peers) -> None:
@@ -66,11 +72,6 @@ class DDPReadHook:
     def arm(self, loss: torch.Tensor, local_bad: torch.Tensor, step: int, fingerprint: int) -> None:
         """Set the read to send with the next backward's last bucket (device, no sync)."""
         self.pending, self.result = (loss, local_bad, step, fingerprint), None
-
-    def as_comm_hook(self) -> Any:
-        """The hook for ``DistributedDataParallel.register_comm_hook(None, ...)``: an
-        unannotated callable (DDP checks annotations, and these would be strings here)."""
-        return lambda state, bucket: self(state, bucket)
 
     def _extras(self, dtype: torch.dtype, dev: torch.device) -> torch.Tensor | None:
         """This rank's carried read for a last bucket of ``dtype`` (None: none fits)."""
@@ -149,3 +150,57 @@ class DDPReadHook:
         m = _MANTISSA.get(self.dtype or torch.float32, 24)
         differs = differing(read[6:], self.mine, w, m)
         return Carried(found, norm_sq, loss, bad_ranks_of(bits, w, 24), differs)
+
+
+class CommHookSlot:
+    """The comm hook floatguard registers on a DDP model, once: it runs ``target`` (the
+    open guard's :class:`DDPReadHook`), or with none attached DDP's default all-reduce
+    (gradients divided by the world size, then summed), so a model whose guard was
+    closed trains on under DDP exactly as without floatguard."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.target: DDPReadHook | None = None
+
+    def as_comm_hook(self) -> Any:
+        """For ``register_comm_hook(None, ...)`` (unannotated: DDP checks annotations)."""
+        return lambda state, bucket: self(state, bucket)
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        import torch.distributed as dist
+
+        target = self.target
+        if target is not None:
+            return target(state, bucket)
+        buf = bucket.buffer()
+        buf.div_(dist.get_world_size(self.group))
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
+
+
+_SLOTS: weakref.WeakKeyDictionary[nn.Module, CommHookSlot] = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, hook: DDPReadHook) -> bool:
+    """Make ``hook`` the one ``model``'s floatguard slot runs, registering the slot on
+    the model's first guard; a guard built on a model that has one takes it over (an
+    older guard still open then all-reduces its read separately). False: the model has
+    a comm hook of the user's own, which stays."""
+    slot = _SLOTS.get(model)
+    if slot is None:
+        slot = CommHookSlot(hook.group)
+        try:
+            model.register_comm_hook(None, slot.as_comm_hook())  # type: ignore[operator]
+        except RuntimeError:  # "can only be called once": the user's hook stays
+            return False
+        _SLOTS[model] = slot
+    slot.target = hook
+    return True
+
+
+def detach(model: nn.Module, hook: DDPReadHook) -> None:
+    """``hook``'s guard is closed: ``model``'s slot runs DDP's default all-reduce again
+    (unless a later guard took it over)."""
+    slot = _SLOTS.get(model)
+    if slot is not None and slot.target is hook:
+        slot.target = None

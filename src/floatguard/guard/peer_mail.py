@@ -63,6 +63,7 @@ class Mailbox:
         self._replies: dict[int, dict[int, dict[str, Any]]] = {}
         self._asked = 0
         self._byes: set[int] = set()  # the peers that said bye (they send nothing more)
+        self._silent: set[int] = set()  # asked, no answer, nothing heard since
         self._said_bye = False
         self._listener: threading.Thread | None = None
         try:  # every rank of the group builds its guard together; only they take part
@@ -139,28 +140,26 @@ class Mailbox:
         self.flush(1.0)
 
     def drain(self, seconds: float) -> None:
-        """Wait (at most ``seconds``) until the listener has ended: every peer said bye,
-        or the ones that did not are gone (they do not answer a status question, asked
-        every second). Called at exit, before the interpreter finalizes (see the module);
-        past ``seconds`` the receive stays pending, and a peer's message arriving during
-        the few milliseconds of finalization would still abort the process."""
-        deadline = last_ask = time.monotonic()
-        deadline += seconds
+        """Wait (at most ``seconds``) until every peer has said bye (the listener has
+        ended), but for the silent ones (the last status question they were asked went
+        unanswered, and they sent nothing since: stopped or killed). Called at exit,
+        before the interpreter finalizes (see the module). No question is asked here: a
+        peer that already had this rank's bye may have ended its listener (it would not
+        answer) and still send its own messages and bye later. Past
+        ``seconds`` the receive stays pending, and a peer's message arriving during
+        the interpreter's finalization would still abort the process."""
+        deadline = time.monotonic() + seconds
         while self.listening and time.monotonic() < deadline:
-            if time.monotonic() - last_ask >= 1.0:
-                with self._lock:
-                    late = [r for r in range(self.world) if r != self.rank and r not in self._byes]
-                status = self.ask(late)
-                if all(status.get(r) is None for r in late):
-                    return  # gone: they send nothing more
-                last_ask = time.monotonic()
+            with self._lock:
+                waited = [r for r in range(self.world) if r != self.rank and r not in self._byes]
+                if all(r in self._silent for r in waited):
+                    return
             assert self._listener is not None
             self._listener.join(0.02)
 
-    def ask(self, peers: list[int] | None = None) -> dict[int, dict[str, Any] | None]:
-        """Each peer's status (of ``peers``, default all; None: no answer within
-        :data:`ASK_S` seconds: gone)."""
-        asked = [r for r in range(self.world) if r != self.rank] if peers is None else peers
+    def ask(self) -> dict[int, dict[str, Any] | None]:
+        """Every peer's status (None: no answer within :data:`ASK_S` seconds: gone)."""
+        asked = [r for r in range(self.world) if r != self.rank]
         with self._lock:
             self._asked += 1
             qid = self._asked
@@ -172,6 +171,7 @@ class Mailbox:
             time.sleep(0.005)
         with self._lock:
             got = self._replies.pop(qid)
+            self._silent.update(r for r in asked if r not in got)
         return {r: got.get(r) for r in asked}
 
     def _listen(self) -> None:
@@ -191,6 +191,8 @@ class Mailbox:
             except json.JSONDecodeError:
                 record = {"kind": "failed", "rank": "?", "step": "?", "error": "unreadable message"}
             kind, peer = record.get("kind"), record.get("rank")
+            with self._lock:
+                self._silent.discard(peer)  # heard from: alive
             if kind == "status?" and isinstance(peer, int):
                 self.send(peer, {**self.status(), "kind": "status", "id": record.get("id")})
             elif kind == "status" and isinstance(peer, int):
