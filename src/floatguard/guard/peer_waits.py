@@ -376,8 +376,7 @@ class PeerWaits:
                 "instead)\n"
             )
             sys.stderr.flush()
-            self.mail.bye()  # the peers need not wait for this rank at their exit
-            os._exit(1)
+            os._exit(1)  # no bye: its flush would let the main thread run on meanwhile
 
     @contextmanager
     def region(self) -> Iterator[None]:
