@@ -80,6 +80,10 @@ def test_a_peers_later_end_does_not_abort_a_rank_in_teardown(
     long had rank 0's bye and ended (it answers no question): rank 0 must not take
     that silence for a peer that is gone."""
     ends = _run(tmp_path, how, late=late)
+    if late > 2:  # rank 0 says why its exit lingers
+        assert (
+            "floatguard: rank 0 waits at exit (at most 10 s) for rank(s) 1 to close" in (ends[0][1])
+        ), ends[0][1]
     for rank, (rc, out) in enumerate(ends):
         assert "terminate called" not in out, out
         assert rc == 0 and f"rank {rank} done" in out, (rank, rc, out)

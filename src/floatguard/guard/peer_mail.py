@@ -25,6 +25,7 @@ No home-made transport: everything goes through torch.distributed.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import warnings
@@ -148,12 +149,26 @@ class Mailbox:
         answer) and still send its own messages and bye later. Past
         ``seconds`` the receive stays pending, and a peer's message arriving during
         the interpreter's finalization would still abort the process."""
-        deadline = time.monotonic() + seconds
-        while self.listening and time.monotonic() < deadline:
+        start = time.monotonic()
+        said = False
+        while self.listening and time.monotonic() - start < seconds:
             with self._lock:
-                waited = [r for r in range(self.world) if r != self.rank and r not in self._byes]
-                if all(r in self._silent for r in waited):
-                    return
+                heard = self._byes | self._silent | {self.rank}
+                late = [r for r in range(self.world) if r not in heard]
+            if not late:
+                return
+            if not said and time.monotonic() - start >= 1.0:  # say why the exit lingers
+                said = True
+                who = ", ".join(str(r) for r in late)
+                try:
+                    sys.stderr.write(
+                        f"floatguard: rank {self.rank} waits at exit (at most {seconds:g} s) "
+                        f"for rank(s) {who} to close their guard (guard.close(), "
+                        "guard.finish() or their exit)\n"
+                    )
+                    sys.stderr.flush()
+                except (OSError, ValueError, AttributeError):  # stderr closed at exit
+                    pass
             assert self._listener is not None
             self._listener.join(0.02)
 
