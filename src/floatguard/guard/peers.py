@@ -267,3 +267,5 @@ class Peers(PeerWaits):
         self._closed = True
         self.mail.bye()
         self._wake.set()
+        if self.failure is None and not self.mail.listening:  # nothing left for the exit
+            atexit.unregister(self._at_exit)  # (nor a reference keeping this guard's parts)
