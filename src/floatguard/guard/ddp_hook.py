@@ -56,9 +56,10 @@ class Carried:
 
 
 class DDPReadHook:
-    """The guard's comm hook, run by the model's :class:`CommHookSlot` (when the model has
-    no hook of its own); without a pending read it is DDP's default all-reduce (gradients divided
-    by the world size, then summed), plus the unarmed carried read on the last bucket."""
+    """The guard's comm hook, run by the model's :class:`CommHookSlot` (when the model
+    has no hook of its own); without a pending read it is DDP's default all-reduce
+    (gradients divided by the world size, then summed), plus the unarmed carried read on
+    the last bucket."""
 
     def __init__(self, group: Any, peers: Peers) -> None:
         self.group = group
@@ -167,15 +168,12 @@ class CommHookSlot:
         return lambda state, bucket: self(state, bucket)
 
     def __call__(self, state: Any, bucket: Any) -> Any:
-        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         target = self.target
         if target is not None:
             return target(state, bucket)
-        buf = bucket.buffer()
-        buf.div_(dist.get_world_size(self.group))
-        work = dist.all_reduce(buf, group=self.group, async_op=True)
-        return work.get_future().then(lambda f: f.value()[0])
+        return default_hooks.allreduce_hook(self.group, bucket)  # DDP's own default
 
 
 _SLOTS: weakref.WeakKeyDictionary[nn.Module, CommHookSlot] = weakref.WeakKeyDictionary()

@@ -146,9 +146,9 @@ class Mailbox:
         unanswered, and they sent nothing since: stopped or killed). Called at exit,
         before the interpreter finalizes (see the module). No question is asked here: a
         peer that already had this rank's bye may have ended its listener (it would not
-        answer) and still send its own messages and bye later. Past
-        ``seconds`` the receive stays pending, and a peer's message arriving during
-        the interpreter's finalization would still abort the process."""
+        answer) and still send its own messages and bye later. Past ``seconds`` the
+        receive stays pending, and a peer's message arriving during the interpreter's
+        finalization would still abort the process."""
         start = time.monotonic()
         said = False
         while self.listening and time.monotonic() - start < seconds:
