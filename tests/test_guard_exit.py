@@ -32,8 +32,14 @@ for _ in range(3):
     guard.step(lambda: ((model(x) - y) ** 2).mean())
 if rank == 1:
     time.sleep(late)  # rank 1 ends later than rank 0: its messages come after rank 0's end
-if how == "close":
+if how in ("close", "destroy"):
     guard.close()
+if how == "destroy":  # the pattern of a training script's end (README)
+    import threading
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("floatguard"))
+    print(f"rank {rank} after close: {alive}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 class SlowTeardown:
@@ -75,15 +81,32 @@ def test_a_peers_later_end_does_not_abort_a_rank_in_teardown(
     tmp_path: Path, how: str, late: float
 ) -> None:
     """Rank 1 closes its guard (or, ``exit``, just exits: its at-exit handler tells the
-    peers) ``late`` seconds after rank 0's: rank 0 waits at exit for rank 1's bye, then
-    finalizes with nothing pending, exit code 0 on both. At 4 s rank 1's listener has
-    long had rank 0's bye and ended (it answers no question): rank 0 must not take
-    that silence for a peer that is gone."""
+    peers) ``late`` seconds after rank 0's: rank 0 waits for rank 1's bye (in its own
+    guard.close(), or at exit), then finalizes with nothing pending, exit code 0 on
+    both. At 4 s rank 1's listener has long had rank 0's bye and ended (it answers no
+    question): rank 0 must not take that silence for a peer that is gone."""
     ends = _run(tmp_path, how, late=late)
-    if late > 2:  # rank 0 says why its exit lingers
-        assert (
-            "floatguard: rank 0 waits at exit (at most 10 s) for rank(s) 1 to close" in (ends[0][1])
-        ), ends[0][1]
+    if late > 2:  # rank 0 says why it lingers: in its guard.close(), or at its exit
+        where = "in guard.close()" if how == "close" else "at exit"
+        said = f"floatguard: rank 0 waits {where} (at most 10 s) for rank(s) 1 to close"
+        assert said in ends[0][1], ends[0][1]
     for rank, (rc, out) in enumerate(ends):
         assert "terminate called" not in out, out
         assert rc == 0 and f"rank {rank} done" in out, (rank, rc, out)
+
+
+def test_close_returns_once_every_peer_said_bye(tmp_path: Path) -> None:
+    """guard.close() waits for the peers' byes, so that nothing of the channel is left
+    running when the script goes on to ``dist.barrier()`` and
+    ``dist.destroy_process_group()``: rank 1 closes 1.5 s after rank 0, and when rank
+    0's close returns, its threads (listener, watchdog, waiter) have ended (before, the listener was
+    still in gloo's wait; the bye landing around the destroy aborted rank 0 about one
+    run in thirty on a loaded machine, "terminate called without an active
+    exception")."""
+    ends = _run(tmp_path, "destroy", late=1.5)
+    for rank, (rc, out) in enumerate(ends):
+        assert "terminate called" not in out, out
+        assert rc == 0 and f"rank {rank} done" in out, (rank, rc, out)
+        alive = [line for line in out.splitlines() if line.startswith(f"rank {rank} after close")]
+        assert alive == [f"rank {rank} after close: []"], out
+    assert "floatguard: rank 0 waits in guard.close() (at most 10 s) for rank(s) 1" in ends[0][1]

@@ -429,7 +429,8 @@ class Guard(GuardPersistence):
 
     def close(self) -> None:
         """Detach the monitors (watch="hooks", stats_every), let go of the snapshot
-        folder's lock and close the event log."""
+        folder's lock and close the event log; distributed, wait (at most 10 s) until
+        every rank has closed or finished its guard (see docs/guard.md, a clean exit)."""
         for mon in (self._monitor, self._stats_monitor):
             if mon is not None:
                 mon.detach()

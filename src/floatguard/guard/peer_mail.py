@@ -140,11 +140,13 @@ class Mailbox:
         self.send_all({"kind": "bye", "rank": self.rank})
         self.flush(1.0)
 
-    def drain(self, seconds: float) -> None:
+    def drain(self, seconds: float, where: str = "at exit") -> None:
         """Wait (at most ``seconds``) until every peer has said bye (the listener has
         ended), but for the silent ones (the last status question they were asked went
-        unanswered, and they sent nothing since: stopped or killed). Called at exit,
-        before the interpreter finalizes (see the module). No question is asked here: a
+        unanswered, and they sent nothing since: stopped or killed). Called by
+        guard.close() (before its caller may destroy the group under the listener) and at
+        exit, before the interpreter finalizes (see the module); ``where`` is said on
+        stderr when the wait lasts past 1 s. No question is asked here: a
         peer that already had this rank's bye may have ended its listener (it would not
         answer) and still send its own messages and bye later. Past ``seconds`` the
         receive stays pending, and a peer's message arriving during the interpreter's
@@ -162,7 +164,7 @@ class Mailbox:
                 who = ", ".join(str(r) for r in late)
                 try:
                     sys.stderr.write(
-                        f"floatguard: rank {self.rank} waits at exit (at most {seconds:g} s) "
+                        f"floatguard: rank {self.rank} waits {where} (at most {seconds:g} s) "
                         f"for rank(s) {who} to close their guard (guard.close(), "
                         "guard.finish() or their exit)\n"
                     )

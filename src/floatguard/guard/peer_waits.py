@@ -84,8 +84,10 @@ class PeerWaits:
         self._region_asked = 0.0  # when the watchdog last asked about it
         self._raised = self._closed = self._stop_written = False
         self._wake = threading.Event()  # wakes the watchdog
-        self._works: queue.SimpleQueue[tuple[Any, Wait]] = queue.SimpleQueue()
-        threading.Thread(target=self._await_works, name="floatguard-waiter", daemon=True).start()
+        self._works: queue.SimpleQueue[tuple[Any, Wait] | None] = queue.SimpleQueue()
+        self._waiter = threading.Thread(target=self._await_works, name="floatguard-waiter",
+                                        daemon=True)  # fmt: skip
+        self._waiter.start()
         ranks = list(range(self.world))
         if group is not None:
             ranks = [int(dist.get_global_rank(group, r)) for r in ranks]
@@ -187,9 +189,12 @@ class PeerWaits:
 
     def _await_works(self) -> None:
         """The waiter thread: every gated work in turn (a group's works end in order),
-        polled (see :meth:`gated`)."""
+        polled (see :meth:`gated`); it ends at the None that :meth:`end_waiter` queues."""
         while True:
-            work, w = self._works.get()
+            item = self._works.get()
+            if item is None:
+                return
+            work, w = item
             delay = 2e-5
             try:
                 while not work.is_completed():
@@ -206,6 +211,12 @@ class PeerWaits:
                 continue
             self._untrack(w)
             resolve_gate(w.gate, value)
+
+    def end_waiter(self, seconds: float) -> None:
+        """End the waiter thread once the works queued before are done (at most
+        ``seconds``): closing, when no gated collective is launched any more."""
+        self._works.put(None)
+        self._waiter.join(seconds)
 
     def _track(self, what: str, step: int, gate: Any = None, work: Any = None) -> Wait:
         w = Wait(what, step, time.monotonic(), gate, work)

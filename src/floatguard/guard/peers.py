@@ -57,7 +57,8 @@ class Peers(PeerWaits):
         self._left: list[Any] = []  # works of guard collectives this rank stopped waiting for
         self.mail = Mailbox(self.global_ranks, self.rank, self._handle, self._status)
         self.mail.start()
-        threading.Thread(target=self._watch, name="floatguard-watch", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="floatguard-watch", daemon=True)
+        self._watchdog.start()
         atexit.register(self._at_exit)
 
     def announce_failure(self, step: int, error: BaseException) -> None:
@@ -256,9 +257,14 @@ class Peers(PeerWaits):
             pass
 
     def close(self) -> None:
-        """Stop the watchdog and say bye (the listener ends when every peer has; at exit
-        the process waits for that, see :meth:`_at_exit`). A guard closed without
-        :meth:`finish` (and not failed) tells the peers it is done, after how many steps."""
+        """Stop the watchdog, say bye and wait (at most :data:`EXIT_DRAIN_S`) for every
+        peer's bye, so that no receive of the channel is pending when the caller goes on
+        to ``dist.destroy_process_group()`` and the interpreter's exit: the listener's
+        thread woken inside gloo's wait by a bye landing there aborted the process
+        (SIGABRT, about one run in thirty on a loaded machine, after a barrier and the
+        destroy). A failed rank does not wait (its peers may be gone; the at-exit handler
+        drains what it can). A guard closed without :meth:`finish` (and not failed)
+        tells the peers it is done, after how many steps."""
         s = self.state
         if s.done is None and self.failure is None and self.mail.available:
             self.mail.send_all({"kind": "finished", "rank": self.rank, "step": s.steps,
@@ -267,5 +273,10 @@ class Peers(PeerWaits):
         self._closed = True
         self.mail.bye()
         self._wake.set()
+        if self.failure is None:  # every peer's bye, before the caller tears the group down
+            self.mail.drain(EXIT_DRAIN_S, "in guard.close()")
+        self._watchdog.join(1.0)  # it ends within its tick, once closed
+        # no thread of this guard left for the caller's teardown (but a failure's work)
+        self.end_waiter(1.0 if self.failure is None else 0.0)
         if self.failure is None and not self.mail.listening:  # nothing left for the exit
             atexit.unregister(self._at_exit)  # (nor a reference keeping this guard's parts)
