@@ -351,6 +351,25 @@ def test_finish_without_torch_distributed_ends_the_run() -> None:
     assert guard.step_count == 1 and guard.events.of_kind("stop") == []
 
 
+def test_a_closed_guard_refuses_steps_and_closes_once() -> None:
+    """After close() (finish() or not) a step or a finish is refused at once, naming
+    close; a second close() is a no-op; the parameters stay as the one step left them."""
+    model = nn.Linear(3, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 3)
+    guard.step(lambda: model(x).pow(2).mean())
+    after = [p.detach().clone() for p in model.parameters()]
+    guard.close()
+    with pytest.raises(RuntimeError, match=r"guard.step\(\) after guard.close\(\): the guard "
+                       "ended after 1 guard steps"):  # fmt: skip
+        guard.step(lambda: model(x).pow(2).mean())
+    with pytest.raises(RuntimeError, match=r"guard.finish\(\) after guard.close\(\)"):
+        guard.finish()
+    guard.close()
+    assert guard.step_count == 1
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters(), strict=True))
+
+
 def _stage_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     """Pipeline stages: each rank holds other parameters (not a supported layout)."""
     torch.manual_seed(rank)

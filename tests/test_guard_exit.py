@@ -30,9 +30,21 @@ guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.05))
 x, y = torch.randn(8, 4), torch.randn(8, 1)
 for _ in range(3):
     guard.step(lambda: ((model(x) - y) ** 2).mean())
+if how == "kill" and rank == 1:
+    import os, signal
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "raise" and rank == 1:
+    with guard:  # left by an error raised outside guard.step
+        raise ValueError("bad batch file")
+if how == "raise":
+    time.sleep(late)
+    try:
+        guard.step(lambda: ((model(x) - y) ** 2).mean())
+    except Exception as e:
+        print(f"rank 0 stops: {type(e).__name__}: {e}", flush=True)
 if rank == 1:
     time.sleep(late)  # rank 1 ends later than rank 0: its messages come after rank 0's end
-if how in ("close", "destroy"):
+if how in ("close", "destroy", "kill", "late"):
     guard.close()
 if how == "destroy":  # the pattern of a training script's end (README)
     import threading
@@ -47,7 +59,7 @@ class SlowTeardown:
         time.sleep(3.0)
 
 
-if rank == 0:
+if rank == 0 and how != "late":
     teardown = SlowTeardown()
 print(f"rank {rank} done", flush=True)
 """
@@ -110,3 +122,38 @@ def test_close_returns_once_every_peer_said_bye(tmp_path: Path) -> None:
         alive = [line for line in out.splitlines() if line.startswith(f"rank {rank} after close")]
         assert alive == [f"rank {rank} after close: []"], out
     assert "floatguard: rank 0 waits in guard.close() (at most 10 s) for rank(s) 1" in ends[0][1]
+
+
+def test_a_wait_given_up_in_close_is_not_waited_again_at_exit(tmp_path: Path) -> None:
+    """Rank 1 closes 12 s after rank 0: rank 0's close waits 10 s, says it gives up,
+    and its exit does not wait again (close and exit share the 10 s); both end with 0."""
+    ends = _run(tmp_path, "late", late=12.0)
+    out = ends[0][1]
+    assert "floatguard: rank 0 waits in guard.close() (at most 10 s) for rank(s) 1" in out
+    assert "floatguard: rank 0 stops waiting in guard.close() for rank(s) 1 after 10 s" in out
+    assert "waits at exit" not in out, out
+    assert [rc for rc, _ in ends] == [0, 0], ends
+
+
+def test_close_does_not_wait_for_a_killed_peer(tmp_path: Path) -> None:
+    """Rank 1 is killed (SIGKILL) after its steps; rank 0's close asks it where it is
+    before saying bye (a live peer answers then: it has not had rank 0's bye, so its
+    listener runs), takes the silence for a peer that is gone, and waits for nothing,
+    in close or at exit."""
+    ends = _run(tmp_path, "kill", late=1.0)
+    rc, out = ends[0]
+    assert rc == 0 and "rank 0 done" in out, out
+    assert "waits in guard.close()" not in out and "waits at exit" not in out, out
+    assert ends[1][0] == -9
+
+
+def test_an_error_raised_outside_the_step_is_what_the_peers_hear(tmp_path: Path) -> None:
+    """Rank 1 leaves ``with guard:`` by an error of its own (not in guard.step): rank 0
+    stops at its next step with PeerFailed naming that error (before, close() told the
+    peers rank 1 had finished, and rank 0 raised a GuardDesync)."""
+    ends = _run(tmp_path, "raise", late=1.0)
+    out = ends[0][1]
+    said = ("rank 0 stops: PeerFailed: rank 0 begins guard step 3, but rank 1 exited after 3 "
+            "guard steps without guard.finish() (ValueError: bad batch file)")  # fmt: skip
+    assert said in out, out
+    assert "ValueError: bad batch file" in ends[1][1] and ends[1][0] == 1, ends[1]

@@ -95,7 +95,7 @@ class ReadChannel:
         # DTensor parameters (FSDP2, tensor parallelism; never under DDP, which refuses
         # them): only then can a gradient be Partial.
         self._placed = any(is_dtensor(p) for p in model.parameters())
-        self.finished = False
+        self.finished = self.closed = False
 
     @property
     def rank(self) -> int:
@@ -116,8 +116,13 @@ class ReadChannel:
 
     # ------------------------------------------------------------ the run
     def begin(self, step: int) -> None:
-        """Guard step ``step`` begins: refused after :meth:`finish`; under
+        """Guard step ``step`` begins: refused after :meth:`finish` or :meth:`close`; under
         torch.distributed, this rank's failure (or a peer's finish or exit) raises now."""
+        if self.closed:
+            raise RuntimeError(
+                f"guard.step() after guard.close(): the guard ended after {step} guard steps "
+                "(build a new Guard to go on)"
+            )
         if self.finished:
             raise RuntimeError(
                 f"guard.step() after guard.finish(): the run ended after {step} guard steps"
@@ -129,6 +134,10 @@ class ReadChannel:
         """End the run after ``steps`` guard steps; under torch.distributed together with
         every rank (:meth:`Peers.finish`: GuardDesync if another rank took another number
         of steps, PeerFailed if one is gone)."""
+        if self.closed:
+            raise RuntimeError(
+                f"guard.finish() after guard.close(): the guard ended after {steps} guard steps"
+            )
         if self.peers is not None:
             self.peers.finish(steps)
         self.finished = True
@@ -277,8 +286,13 @@ class ReadChannel:
         if self.peers is not None:
             self.peers.announce_failure(step, error)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """The guard ends (once): DDP's default all-reduce again, and the peers told
+        (:meth:`Peers.close`; ``error``: what ends the run, raised outside the guard)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.ddp_hook is not None:  # the model's DDP all-reduce is DDP's default again
             detach(self.model, self.ddp_hook)
         if self.peers is not None:
-            self.peers.close()
+            self.peers.close(error)

@@ -428,18 +428,23 @@ class Guard(GuardPersistence):
         self._state.save()
 
     def close(self) -> None:
-        """Detach the monitors (watch="hooks", stats_every), let go of the snapshot
-        folder's lock and close the event log; distributed, wait (at most 10 s) until
-        every rank has closed or finished its guard (see docs/guard.md, a clean exit)."""
+        """Detach the monitors, let go of the snapshot folder's lock, close the event log
+        (once; a step after it is refused); distributed, wait (at most 10 s) until every
+        rank has closed or finished its guard (docs/guard.md, a clean exit). A ``with``
+        left by an exception from outside :meth:`step` (not GuardStopped) tells the
+        peers this rank exited with it, and waits for nothing."""
+        self._close(None)
+
+    def _close(self, error: BaseException | None) -> None:
         for mon in (self._monitor, self._stats_monitor):
             if mon is not None:
                 mon.detach()
         self._keeper.close()
-        self._channel.close()
+        self._channel.close(error)
         self._events.close()
 
     def __enter__(self) -> Guard:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        self._close(None if isinstance(error, GuardStopped) else error)

@@ -66,6 +66,7 @@ class Mailbox:
         self._byes: set[int] = set()  # the peers that said bye (they send nothing more)
         self._silent: set[int] = set()  # asked, no answer, nothing heard since
         self._said_bye = False
+        self._drained = 0.0  # seconds the drains waited so far (one budget)
         self._listener: threading.Thread | None = None
         try:  # every rank of the group builds its guard together; only they take part
             self.group: Any = dist.new_group(
@@ -140,43 +141,66 @@ class Mailbox:
         self.send_all({"kind": "bye", "rank": self.rank})
         self.flush(1.0)
 
+    def part(self, seconds: float, where: str) -> None:
+        """End this rank's part of the channel (guard.close(), at exit): the peers that
+        have not said bye are asked where they are, then bye, then :meth:`drain`. Asked
+        before this rank's bye, a live peer answers (its listener ends only once it has
+        had every peer's bye, this one's too), so one that does not is gone (killed, or
+        its group destroyed) and is not waited for."""
+        if not self._said_bye and self.listening:
+            late = self._late()
+            if late:
+                self.ask(late)
+        self.bye()
+        self.drain(seconds, where)
+
+    def _late(self) -> list[int]:
+        """The peers not heard to say bye, but the silent ones."""
+        with self._lock:
+            heard = self._byes | self._silent | {self.rank}
+        return [r for r in range(self.world) if r not in heard]
+
     def drain(self, seconds: float, where: str = "at exit") -> None:
-        """Wait (at most ``seconds``) until every peer has said bye (the listener has
-        ended), but for the silent ones (the last status question they were asked went
-        unanswered, and they sent nothing since: stopped or killed). Called by
+        """Wait until every peer has said bye (the listener has ended), but for the
+        silent ones (the last status question they were asked went unanswered, and they
+        sent nothing since: stopped or killed); at most ``seconds`` less what the
+        earlier drains waited (guard.close()'s, then the exit's: one budget). Called by
         guard.close() (before its caller may destroy the group under the listener) and at
         exit, before the interpreter finalizes (see the module); ``where`` is said on
-        stderr when the wait lasts past 1 s. No question is asked here: a
-        peer that already had this rank's bye may have ended its listener (it would not
-        answer) and still send its own messages and bye later. Past ``seconds`` the
-        receive stays pending, and a peer's message arriving during the interpreter's
-        finalization would still abort the process."""
+        stderr when the wait lasts past 1 s, and when it gives up. No question is asked
+        here: a peer that already had this rank's bye may have ended its listener (it
+        would not answer) and still send its own messages and bye later. Past the
+        budget the receive stays pending, and a peer's message arriving during the
+        interpreter's finalization would still abort the process."""
         start = time.monotonic()
+        left = seconds - self._drained
         said = False
-        while self.listening and time.monotonic() - start < seconds:
-            with self._lock:
-                heard = self._byes | self._silent | {self.rank}
-                late = [r for r in range(self.world) if r not in heard]
-            if not late:
-                return
-            if not said and time.monotonic() - start >= 1.0:  # say why the exit lingers
-                said = True
-                who = ", ".join(str(r) for r in late)
-                try:
-                    sys.stderr.write(
-                        f"floatguard: rank {self.rank} waits {where} (at most {seconds:g} s) "
-                        f"for rank(s) {who} to close their guard (guard.close(), "
-                        "guard.finish() or their exit)\n"
-                    )
-                    sys.stderr.flush()
-                except (OSError, ValueError, AttributeError):  # stderr closed at exit
-                    pass
-            assert self._listener is not None
-            self._listener.join(0.02)
+        try:
+            while self.listening:
+                late = self._late()
+                waited = time.monotonic() - start
+                if not late:
+                    return
+                if waited >= left:
+                    if said:  # (a wait of under 1 s gives up silently)
+                        _say(f"rank {self.rank} stops waiting {where} for rank(s) "
+                             f"{_ranks(late)} after {self._drained + waited:.0f} s; a message "
+                             "they send while this process exits may abort it")  # fmt: skip
+                    return
+                if not said and waited >= 1.0:  # say why the exit lingers
+                    said = True
+                    _say(f"rank {self.rank} waits {where} (at most {left:.0f} s) for rank(s) "
+                         f"{_ranks(late)} to close their guard (guard.close(), "
+                         "guard.finish() or their exit)")  # fmt: skip
+                assert self._listener is not None
+                self._listener.join(min(0.02, max(left - waited, 0.001)))
+        finally:
+            self._drained += time.monotonic() - start
 
-    def ask(self) -> dict[int, dict[str, Any] | None]:
-        """Every peer's status (None: no answer within :data:`ASK_S` seconds: gone)."""
-        asked = [r for r in range(self.world) if r != self.rank]
+    def ask(self, ranks: list[int] | None = None) -> dict[int, dict[str, Any] | None]:
+        """Every peer's status, or those of ``ranks`` (None: no answer within
+        :data:`ASK_S` seconds: gone)."""
+        asked = [r for r in range(self.world) if r != self.rank] if ranks is None else ranks
         with self._lock:
             self._asked += 1
             qid = self._asked
@@ -221,3 +245,15 @@ class Mailbox:
                     self._byes.add(peer)
             else:
                 self.on_message(record)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _say(line: str) -> None:
+    try:
+        sys.stderr.write(f"floatguard: {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed at exit
+        pass

@@ -83,7 +83,7 @@ class PeerState:
     finished: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> steps, how
     exited: dict[int, dict[str, Any]] = field(default_factory=dict)
     finishing: int | None = None  # this rank's own guard.finish() step count
-    done: str | None = None  # "finished" / "closed" / "told": nothing to say at exit
+    done: str | None = None  # "finished" / "closed" / "told" / "exited": nothing to say at exit
 
     @property
     def steps(self) -> int:

@@ -6,7 +6,8 @@ Words used here (the tracked collectives, the failure and the region are
 - *messages* (:mod:`floatguard.guard.peer_mail`), by kind: ``failed`` (a rank raised
   out of its guard), ``stop`` (a rank stops with an error it found itself: the others
   stop with the same class), ``finished`` (guard.finish() or guard.close() after n
-  steps), ``exited`` (the process ended without either); ``status?`` / ``status``.
+  steps), ``exited`` (the process ended without either, or a ``with`` block was left
+  by an error raised outside the guard); ``status?`` / ``status``.
 - *finish*: the end of the run, together: every rank tells the others after how many
   steps, and waits until every one has said the same (a GuardDesync if not).
 - *the watchdog* (a thread): ends waits past ``timeout_s`` (asking the peers where they
@@ -238,8 +239,8 @@ class Peers(PeerWaits):
     def _at_exit(self) -> None:
         """The process ends: a rank that failed with a collective left pending ends at
         once (_end_at_exit); one that neither finished nor failed tells the others; then
-        bye, and the listener drained (:meth:`Mailbox.drain`, at most
-        :data:`EXIT_DRAIN_S`) before the interpreter finalizes."""
+        its part of the channel ended (:meth:`Mailbox.part`: the waits of close and exit
+        together at most :data:`EXIT_DRAIN_S`) before the interpreter finalizes."""
         s = self.state
         if self.failure is not None and self._pending():
             self._end_at_exit()
@@ -248,35 +249,44 @@ class Peers(PeerWaits):
         try:
             if self.failure is None and s.done is None and not self._closed:
                 last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-                error = None if last is None else f"{type(last).__name__}: {last}"[:700]
-                self.mail.send_all({"kind": "exited", "rank": self.rank, "steps": s.steps,
-                                    "error": error})  # fmt: skip
-            self.mail.bye()
-            self.mail.drain(EXIT_DRAIN_S)
+                self._exited(None if last is None else f"{type(last).__name__}: {last}")
+            self.mail.part(EXIT_DRAIN_S, "at exit")
         except Exception:  # the group is already gone
             pass
 
-    def close(self) -> None:
-        """Stop the watchdog, say bye and wait (at most :data:`EXIT_DRAIN_S`) for every
-        peer's bye, so that no receive of the channel is pending when the caller goes on
+    def _exited(self, error: str | None) -> None:
+        self.mail.send_all({"kind": "exited", "rank": self.rank, "steps": self.state.steps,
+                            "error": None if error is None else error[:700]})  # fmt: skip
+        self.state.done = "exited"
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop the watchdog and end this rank's part of the channel: the peers that have
+        not said bye asked where they are (one that does not answer is gone), bye, and a
+        wait (at most :data:`EXIT_DRAIN_S`, said on stderr past 1 s) for the other
+        peers' byes, so that no receive of the channel is pending when the caller goes on
         to ``dist.destroy_process_group()`` and the interpreter's exit: the listener's
         thread woken inside gloo's wait by a bye landing there aborted the process
         (SIGABRT, about one run in thirty on a loaded machine, after a barrier and the
-        destroy). A failed rank does not wait (its peers may be gone; the at-exit handler
-        drains what it can). A guard closed without :meth:`finish` (and not failed)
-        tells the peers it is done, after how many steps."""
+        destroy). A guard closed without :meth:`finish` tells the peers it is done,
+        after how many steps; with ``error`` (raised outside the guard), that it exited
+        with it. A failed rank, or one closed with ``error``, does not wait for byes (its
+        peers may be gone or stopping; the at-exit handler waits what is left of the time)."""
         s = self.state
         if s.done is None and self.failure is None and self.mail.available:
-            self.mail.send_all({"kind": "finished", "rank": self.rank, "step": s.steps,
-                                "how": "guard.close()"})  # fmt: skip
-            s.done = "closed"
+            if error is None:
+                self.mail.send_all({"kind": "finished", "rank": self.rank, "step": s.steps,
+                                    "how": "guard.close()"})  # fmt: skip
+                s.done = "closed"
+            else:
+                self._exited(f"{type(error).__name__}: {error}")
         self._closed = True
-        self.mail.bye()
         self._wake.set()
-        if self.failure is None:  # every peer's bye, before the caller tears the group down
-            self.mail.drain(EXIT_DRAIN_S, "in guard.close()")
+        if self.failure is None:  # every bye, before the group's teardown (but after error)
+            self.mail.part(EXIT_DRAIN_S if error is None else 0.0, "in guard.close()")
+        else:
+            self.mail.bye()
         self._watchdog.join(1.0)  # it ends within its tick, once closed
         # no thread of this guard left for the caller's teardown (but a failure's work)
-        self.end_waiter(1.0 if self.failure is None else 0.0)
+        self.end_waiter(1.0 if self.failure is None and error is None else 0.0)
         if self.failure is None and not self.mail.listening:  # nothing left for the exit
             atexit.unregister(self._at_exit)  # (nor a reference keeping this guard's parts)
