@@ -33,6 +33,8 @@ for _ in range(3):
 if how == "kill" and rank == 1:
     import os, signal
     os.kill(os.getpid(), signal.SIGKILL)
+if how == "kill":
+    time.sleep(late)  # rank 1 is gone before rank 0 asks (not killed after answering)
 if how == "raise" and rank == 1:
     with guard:  # left by an error raised outside guard.step
         raise ValueError("bad batch file")

@@ -432,7 +432,7 @@ class Guard(GuardPersistence):
         (once; a step after it is refused); distributed, wait (at most 10 s) until every
         rank has closed or finished its guard (docs/guard.md, a clean exit). A ``with``
         left by an exception from outside :meth:`step` (not GuardStopped) tells the
-        peers this rank exited with it, and waits for nothing."""
+        peers this rank exited with it, and waits for no peer's close."""
         self._close(None)
 
     def _close(self, error: BaseException | None) -> None:
