@@ -35,6 +35,7 @@ def test_every_field_type_round_trips(tmp_path: Path) -> None:
         "fault_rank": 3,
         "cause": "nonfinite_loss",
         "input_amax": 2.5e19,
+        "batch": {"position": 7, "fingerprint": "00ff"},
     }
     log = EventLog(path)
     log.emit("fault", 7, **values)
@@ -72,9 +73,11 @@ def test_the_envelope_cannot_be_overwritten_and_fields_are_exact() -> None:
     for name in ("schema", "kind", "step", "time", "rank"):
         with pytest.raises(ValueError, match=rf"\['{name}'\] would overwrite the envelope"):
             log.emit("snapshot", 0, where="memory", **{name: 7})
-    with pytest.raises(ValueError, match=r"unknown event kind 'stpe'.*known: fault"):
+    with pytest.raises(ValueError, match=r"unknown event kind 'stpe'.*known: end, fault"):
         log.emit("stpe", 0)
-    with pytest.raises(ValueError, match=r"missing fields \['value'\], unexpected \['threshold'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing fields \['batch', 'value'\], unexpected \['threshold'\]"
+    ):
         check_event("spike", {"signal": "loss", "reproduced": None, "threshold": 3.0})
     assert log.events == [] and not log.counts
 

@@ -27,24 +27,29 @@ FIELD_TYPES: dict[str, dict[str, str]] = {
     },
     "step": {
         "action": "str", "reason": "str?", "loss": "num?", "grad_norm": "num?",
-        "clip_coef": "num?", "scale": "num?", "lr_factor": "num?",
+        "clip_coef": "num?", "scale": "num?", "lr_factor": "num?", "lr": "num?",
     },
     "fault": {
         "phase": "str", "module": "str?", "tensor": "str?", "kind_of_value": "str?",
         "shape": "list?", "op": "str?", "source": "str?", "deterministic": "bool?",
         "stats": "dict?", "fault_rank": "int?", "cause": "str?", "input_amax": "num?",
+        "batch": "dict?",
     },
     "overflow": {"scale_before": "num?", "scale_after": "num?"},
-    "spike": {"signal": "str?", "value": "num?", "reproduced": "bool?"},
+    "spike": {"signal": "str?", "value": "num?", "reproduced": "bool?", "batch": "dict?"},
     "lr_backoff": {"factor": "num?"},
     "rollback": {"to_step": "int?", "rollbacks": "int?", "skip_batches": "int?", "cause": "str?"},
     "snapshot": {"where": "str?"},
     "snapshot_error": {"where": "str?", "error": "str?", "policy": "str?"},
     "snapshot_fallback": {"bad": "str?", "error": "str?", "used": "str?"},
     "resume": {"from_step": "int?", "path": "str?", "newest_step": "int?", "ranks_behind": "list?"},
-    "warning": {"transients": "int?", "message": "str?"},
+    "warning": {"transients": "int?", "message": "str?", "code": "str?", "evidence": "dict?"},
     "stats": {"tensors": "list?"},
     "stop": {"reason": "str?", "fault": "str?"},
+    "end": {
+        "state_finite": "bool?", "nonfinite": "list?", "lr_factor": "num?", "lr": "num?",
+        "scale": "num?",
+    },
 }  # fmt: skip
 # Each entry of a stats event's ``tensors`` (floatguard.monitor.stats_view).
 STATS_TENSOR_TYPES: dict[str, str] = {

@@ -51,22 +51,25 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     k: frozenset(v)
     for k, v in {
         "run": ("precision", "loss_scaling", "param_dtypes", "optimizer", "world_size", "clip"),
-        "step": ("action", "reason", "loss", "grad_norm", "clip_coef", "scale", "lr_factor"),
+        "step": (
+            "action", "reason", "loss", "grad_norm", "clip_coef", "scale", "lr_factor", "lr",
+        ),
         "fault": (
             "phase", "module", "tensor", "kind_of_value", "shape", "op", "source",
-            "deterministic", "stats", "fault_rank", "cause", "input_amax",
+            "deterministic", "stats", "fault_rank", "cause", "input_amax", "batch",
         ),
         "overflow": ("scale_before", "scale_after"),
-        "spike": ("signal", "value", "reproduced"),
+        "spike": ("signal", "value", "reproduced", "batch"),
         "lr_backoff": ("factor",),
         "rollback": ("to_step", "rollbacks", "skip_batches", "cause"),
         "snapshot": ("where",),
         "snapshot_error": ("where", "error", "policy"),
         "snapshot_fallback": ("bad", "error", "used"),
         "resume": ("from_step", "path", "newest_step", "ranks_behind"),
-        "warning": ("transients", "message"),
+        "warning": ("transients", "message", "code", "evidence"),
         "stats": ("tensors",),
         "stop": ("reason", "fault"),
+        "end": ("state_finite", "nonfinite", "lr_factor", "lr", "scale"),
     }.items()
 }  # fmt: skip
 # Fields that hold strings: in schema 1 files a string "nan" there stays a string.

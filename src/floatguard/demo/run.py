@@ -230,7 +230,7 @@ def run_demo(
                 "step", step, action="skipped" if skipped else "applied",
                 reason="overflow" if skipped else None, loss=loss, grad_norm=norm,
                 clip_coef=min(1.0, 1.0 / (norm + 1e-6)) if math.isfinite(norm) else 1.0,
-                scale=scale_before, lr_factor=1.0,
+                scale=scale_before, lr_factor=1.0, lr=opt.param_groups[0]["lr"],
             )  # fmt: skip
         if fault == "lr_spike":
             for g in opt.param_groups:

@@ -98,9 +98,12 @@ class GuardEvents:
             clip_coef=result.clip_coef,
             scale=result.scale,
             lr_factor=result.lr_factor,
+            lr=result.lr,
         )
 
-    def fault(self, step: int, fault: Fault, cause: str | None) -> None:
+    def fault(
+        self, step: int, fault: Fault, cause: str | None, batch: dict[str, Any] | None = None
+    ) -> None:
         self.log.emit(
             "fault",
             step,
@@ -116,13 +119,21 @@ class GuardEvents:
             fault_rank=fault.rank,
             cause=cause,
             input_amax=input_amax(fault.inputs),
+            batch=batch,
         )
 
     def overflow(self, step: int, scale_before: float, scale_after: float) -> None:
         self.log.emit("overflow", step, scale_before=scale_before, scale_after=scale_after)
 
-    def spike(self, step: int, signal: str, value: float, reproduced: bool | None) -> None:
-        self.log.emit("spike", step, signal=signal, value=value, reproduced=reproduced)
+    def spike(
+        self,
+        step: int,
+        signal: str,
+        value: float,
+        reproduced: bool | None,
+        batch: dict[str, Any] | None = None,
+    ) -> None:
+        self.log.emit("spike", step, signal=signal, value=value, reproduced=reproduced, batch=batch)
 
     def lr_backoff(self, step: int, factor: float) -> None:
         self.log.emit("lr_backoff", step, factor=factor)
@@ -156,8 +167,42 @@ class GuardEvents:
             "resume", step, from_step=step, path=path, newest_step=newest, ranks_behind=behind
         )
 
-    def warning(self, step: int, message: str, transients: int) -> None:
-        self.log.emit("warning", step, transients=transients, message=message)
+    def warning(
+        self,
+        step: int,
+        message: str,
+        transients: int | None = None,
+        *,
+        code: str | None = None,
+        evidence: dict[str, Any] | None = None,
+    ) -> None:
+        """A warning: ``code`` names its kind for the diagnosis ("transients",
+        "stalled_updates", "loss_trend", "grad_norm_trend", "nonfinite_buffer", ...),
+        ``evidence`` the numbers behind it."""
+        self.log.emit(
+            "warning", step, transients=transients, message=message, code=code, evidence=evidence
+        )
+
+    def end(
+        self,
+        step: int,
+        state_finite: bool | None,
+        nonfinite: list[str],
+        lr_factor: float,
+        lr: float | None,
+        scale: float | None,
+    ) -> None:
+        """How the run ended: whether the weights, optimizer state and floating buffers
+        were all finite (one read at close), which were not, the LR factor, LR, scale."""
+        self.log.emit(
+            "end",
+            step,
+            state_finite=state_finite,
+            nonfinite=nonfinite,
+            lr_factor=lr_factor,
+            lr=lr,
+            scale=scale,
+        )
 
     def stats(self, step: int, tensors: list[dict[str, Any]]) -> None:
         self.log.emit("stats", step, tensors=tensors)

@@ -45,3 +45,4 @@ class StepResult:
     lr_factor: float = 1.0
     fault: Fault | None = field(default=None, repr=False)
     snapshot_age: int | None = None
+    lr: float | None = None
