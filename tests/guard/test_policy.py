@@ -43,6 +43,8 @@ PARAM = F("param", tensor="param:weight", op="parameter")
 STATE = F("param", tensor="optimizer:weight.exp_avg_sq", op="parameter")
 UPDATE = F("param", tensor="param:weight", op="optimizer.step")
 MAGNITUDE = F("param", tensor="param:weight", op="magnitude")
+OUTSIDE = F("param", tensor="param:weight", op="update_or_outside")
+BUFFER = F("param", module="bn", tensor="buffer:running_var", op="buffer")
 TRANSIENT = F("forward", deterministic=False)
 BACKWARD = F("backward", tensor="grad_input[0]")
 
@@ -261,6 +263,28 @@ ROWS = [
         ev(STATE),
         "rollback",
         "nonfinite_optimizer_state",
+        expect={"rollbacks": 1},
+    ),
+    Row(
+        "a nan buffer found when vetting a snapshot (finite step) rolls back",
+        ev(BUFFER),
+        "rollback",
+        "nonfinite_buffer",
+        expect={"rollbacks": 1, "rolled_back_for": fault_key(BUFFER)},
+    ),
+    Row(
+        "the nan buffer again after its rollback stops, model restored",
+        ev(BUFFER),
+        "stop",
+        "nonfinite_buffer",
+        state=replace(S0, rolled_back_for=fault_key(BUFFER)),
+        extras={"stop": "repeated_fault", "restore": True},
+    ),
+    Row(
+        "a parameter bad after an unverified update is a bad parameter, not the update",
+        ev(OUTSIDE, **NAN_LOSS),
+        "rollback",
+        "nonfinite_param",
         expect={"rollbacks": 1},
     ),
     Row(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +16,7 @@ from floatguard.guard.judge import Verdict
 from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.types import Action
+from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clip import Clipper
@@ -20,7 +24,7 @@ from floatguard.stability.respond import GuardStopped, ResponsePolicy
 from floatguard.stability.spike_watch import SpikeWatch
 from floatguard.stability.step_state import StepState
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "is_metric_scheduler"]
 
 Snapshotter = Callable[[int, dict[str, float], policy.LadderState], policy.LadderState]
 
@@ -29,8 +33,8 @@ class Actor:
     """Applies a step whole (snapshot when due, clip, ``optimizer.step()`` with the LR
     factor, scheduler, scaler growth, detector windows) or leaves no trace of it
     (buffers restored, scaler growth skipped), restoring a snapshot on a rollback or a
-    stop that asks for it. ``applying``: ``optimizer.step()`` has begun, so a failure
-    from here on cannot be undone (the guard's stage flag)."""
+    stop that asks for it. ``applying``: ``optimizer.step()`` ran whole, so the step is
+    applied (the guard's stage flag); before that a failure leaves no trace."""
 
     def __init__(
         self,
@@ -45,11 +49,15 @@ class Actor:
         emit: GuardEvents,
         response: ResponsePolicy,
         stateful: Callable[[], dict[str, Any]],
+        updates: UpdateCheck,
+        step_scheduler: bool = True,
     ) -> None:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.state, self.reader, self.clipper = state, reader, clipper
         self.spike_watch, self.keeper, self.emit = spike_watch, keeper, emit
         self.response, self.stateful = response, stateful
+        self.updates, self.step_scheduler = updates, step_scheduler
+        self.metric: float | None = None  # the metric a metric-driven scheduler is given
         self.applying = False
 
     def act(
@@ -89,36 +97,113 @@ class Actor:
     def _apply(
         self, step: int, read: StepRead, verdict: Verdict, snapshot: Snapshotter
     ) -> policy.LadderState:
+        """Apply the step whole, or leave no trace of it: the scheduler is stepped first
+        (its new hyper-parameters held back until the update ran: a scheduler that
+        raises, like ReduceLROnPlateau stepped without a metric, raises before any
+        weight moved); anything raising afterwards puts the scheduler, the parameter
+        groups, the scaler, the clipper and the detectors back as they were before
+        the step, and an ``optimizer.step()`` that raised after it moved a weight is
+        answered by restoring the last clean snapshot (said in the error)."""
         state = verdict.decision.state
-        if verdict.amax is not None:
-            # The weights just gave a finite loss and gradients, and were vetted.
-            state = snapshot(step, verdict.amax, state)
-        params, grads, _ = self.reader.params_with_grads()
-        self.clipper.apply(params, grads, verdict.clip[0])
-        self.keeper.fence()  # a host snapshot's copy is read before the update
-        self.applying = True
-        self._optimizer_step(state.lr_factor)
-        self.clipper.update(read.grad_norm, verdict.clip[1])
-        self.scaler.update(found_inf=False)
-        self.spike_watch.record(read.loss, read.grad_norm)
-        return policy.applied(state, self.response)
+        saved = self._light_state()
+        params: list[torch.Tensor] = []
+        versions: list[int] = []
+        try:
+            if verdict.amax is not None:
+                # The weights just gave a finite loss and gradients, and were vetted.
+                state = snapshot(step, verdict.amax, state)
+            params, grads, _ = self.reader.params_with_grads()
+            self.clipper.apply(params, grads, verdict.clip[0])
+            # Everything the step changes besides the weights, before the update (none
+            # of it is read by the update), so nothing can raise after it.
+            scheduled = self._schedule(read.loss if self.metric is None else self.metric)
+            self.clipper.update(read.grad_norm, verdict.clip[1])
+            self.scaler.update(found_inf=False)
+            self.spike_watch.record(read.loss, read.grad_norm)
+            state = policy.applied(state, self.response)
+            self.keeper.fence()  # a host snapshot's copy is read before the update
+            versions = [p._version for p in params]
+            self._optimizer_step(verdict.decision.state.lr_factor)
+        except BaseException as e:
+            self._restore_light(saved)
+            if any(p._version != v for p, v in zip(params, versions, strict=False)):
+                to = self.keeper.restore(self.stateful()) if self.keeper.snapshot else None
+                self.state.save()
+                where = (
+                    f"the last clean snapshot (step {to}) was restored"
+                    if to is not None
+                    else "no clean snapshot was there to restore"
+                )
+                raise RuntimeError(
+                    f"floatguard: optimizer.step() raised at step {step} after it changed "
+                    f"weights ({type(e).__name__}: {e}); {where}"
+                ) from e
+            raise
+        self.applying = True  # the update ran whole: from here on the step is applied
+        if scheduled is not None:
+            _set_hypers(self.optimizer, scheduled)
+        return state
+
+    def _light_state(self) -> dict[str, Any]:
+        """What an apply changes besides the weights and the optimizer's tensors, saved
+        to put back when it raises (small: counters, histories, hyper-parameters)."""
+        return {
+            "hypers": _hypers(self.optimizer),
+            "scheduler": (
+                copy.deepcopy(self.scheduler.state_dict())
+                if self.scheduler is not None and hasattr(self.scheduler, "state_dict")
+                else None
+            ),
+            "scaler": self.scaler.state_dict(),
+            "parts": [(o, copy.deepcopy(o.state_dict())) for o in self._parts()],
+        }
+
+    def _restore_light(self, saved: dict[str, Any]) -> None:
+        _set_hypers(self.optimizer, saved["hypers"])
+        if saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        for part, sd in saved["parts"]:
+            part.load_state_dict(sd)
+
+    def _parts(self) -> list[Any]:
+        """ZClip and the spike detectors: the host state an applied step updates."""
+        parts = [self.clipper.zclip, self.spike_watch.loss, self.spike_watch.grad_norm]
+        return [p for p in parts if p is not None]
+
+    def _schedule(self, metric: float) -> list[dict[str, Any]] | None:
+        """Step the scheduler now and return the hyper-parameters it set for the next
+        step, the parameter groups left as the update about to run needs them."""
+        if self.scheduler is None or not self.step_scheduler:
+            return None
+        before = _hypers(self.optimizer)
+        with warnings.catch_warnings():
+            # stepped ahead of optimizer.step() on purpose (see _apply)
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            if is_metric_scheduler(self.scheduler):
+                self.scheduler.step(metric)
+            else:
+                self.scheduler.step()
+        after = _hypers(self.optimizer)
+        _set_hypers(self.optimizer, before)
+        return after
 
     def _optimizer_step(self, lr_factor: float) -> None:
         """``optimizer.step()`` with the LR factor applied around it only (a scheduler
-        never sees it), then the scheduler's step."""
+        never sees it)."""
         if lr_factor != 1.0:
             saved = [pg["lr"] for pg in self.optimizer.param_groups]
             for pg in self.optimizer.param_groups:
                 pg["lr"] = pg["lr"] * lr_factor
             try:
+                self.updates.record()
                 self.optimizer.step()
             finally:
                 for pg, lr in zip(self.optimizer.param_groups, saved, strict=True):
                     pg["lr"] = lr
         else:
+            self.updates.record()
             self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
 
     def _stop(self, step: int, decision: policy.Decision, fault: Fault | None) -> None:
         """The one stop: restore the last clean snapshot when the model holds a bad
@@ -148,3 +233,38 @@ class Actor:
             report,
             fault,
         )
+
+
+def is_metric_scheduler(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` needs a metric (``ReduceLROnPlateau`` and any scheduler
+    whose ``step`` has a required positional parameter)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    step = getattr(scheduler, "step", None)
+    if step is None:
+        return False
+    try:
+        sig = inspect.signature(step)
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in sig.parameters.values()
+    )
+
+
+def _hypers(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every parameter group's settings (all but its parameters), copied."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _set_hypers(optimizer: torch.optim.Optimizer, hypers: list[dict[str, Any]]) -> None:
+    for group, values in zip(optimizer.param_groups, hypers, strict=True):
+        for k, v in values.items():
+            if isinstance(group.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
+                if group[k] is not v:
+                    group[k] = v
+            else:
+                group[k] = v
+

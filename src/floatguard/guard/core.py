@@ -38,6 +38,7 @@ from floatguard.guard.persist import GuardPersistence
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.run import StepRunner, as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
+from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clip import Clipper
@@ -57,7 +58,12 @@ class Guard(GuardPersistence):
         optimizer: any ``torch.optim.Optimizer``.
         precision: "fp32", "bf16" (autocast to bfloat16) or "fp16" (autocast to
             float16 with dynamic loss scaling).
-        scheduler: an LR scheduler to step with applied steps only.
+        scheduler: an LR scheduler to step with applied steps only (and to keep in
+            snapshots). A metric-driven one (``ReduceLROnPlateau``) is stepped with the
+            ``metric`` given to :meth:`step`, else with the step's loss.
+        step_scheduler: False when the caller steps the scheduler itself (a framework
+            stepping ReduceLROnPlateau on its evaluation metric): the guard then only
+            keeps it in its snapshots and restores it on a rollback.
         clip, spikes, response: frozen policies (defaults: ZClip with its published
             settings; robust loss-spike detection; responses by cause, see
             ``docs/guard.md``, "The judgement").
@@ -104,6 +110,7 @@ class Guard(GuardPersistence):
         process_group: Any = None,
         peer_timeout_s: float | None = 600.0,
         peer_grace_s: float | None = 10.0,
+        step_scheduler: bool = True,
     ) -> None:
         check_args(model, optimizer, precision, watch, scaler, stats_every)
         if distributed is None:
@@ -166,6 +173,7 @@ class Guard(GuardPersistence):
         )
         self._state = StepState(model)
         self._state.save()
+        self._updates = UpdateCheck(optimizer)
         self._locator = Locator(
             model,
             optimizer,
@@ -175,6 +183,7 @@ class Guard(GuardPersistence):
             self._reader,
             self._channel,
             self._device,
+            self._updates,
         )
         self._keeper = SnapshotKeeper(self._response, self._emit)
         self._actor = Actor(
@@ -189,6 +198,8 @@ class Guard(GuardPersistence):
             self._emit,
             self._response,
             self._stateful,
+            self._updates,
+            step_scheduler,
         )
         self._judge = Judge(
             self._response,
@@ -285,6 +296,7 @@ class Guard(GuardPersistence):
         closure: Closure | Sequence[Closure] | None = None,
         *,
         replay: Sequence[Closure] | None = None,
+        metric: float | torch.Tensor | None = None,
     ) -> StepResult:
         """Decide on this step (one host read), apply it or not, and zero the gradients.
 
@@ -293,7 +305,12 @@ class Guard(GuardPersistence):
         :meth:`backward` (or :meth:`record_loss`) since the last step are decided on.
         ``replay``: for that second form, closures that re-run the step's forward (its
         micro-batches) if the step turns out bad, so it can be localized all the same.
+        ``metric``: what a metric-driven scheduler (``ReduceLROnPlateau``) is stepped
+        with when the step is applied (default: the step's loss).
         """
+        self._actor.metric = (
+            None if metric is None else float(metric)  # a tensor is read: the caller's
+        )
         try:
             return self._step(closure, replay)
         except (PeerFailed, GuardDesync) as e:
@@ -376,6 +393,7 @@ class Guard(GuardPersistence):
     # ----------------------------------------------------------------- act
     def _act(self, step: int, read: StepRead, verdict: Verdict) -> StepResult:
         scale = self._scaler.get_scale()
+        lr = self._lr(verdict.decision.state.lr_factor)  # what the update uses
         try:
             action, self._ladder = self._actor.act(step, read, verdict, self._snapshot_now)
         except GuardStopped:
@@ -395,9 +413,17 @@ class Guard(GuardPersistence):
             self._ladder.lr_factor,
             verdict.fault,
             self._keeper.age(self.step_count),
+            lr,
         )
         self._emit.step(result)
         return result
+
+    def _lr(self, factor: float) -> float | None:
+        """The LR a step's update uses: the first group's, times the LR factor."""
+        lr = self._optimizer.param_groups[0].get("lr") if self._optimizer.param_groups else None
+        if lr is None or isinstance(lr, torch.Tensor):
+            return None  # (a tensor LR is not read: that would be a sync)
+        return float(lr) * factor
 
     def _undo(self) -> None:
         """A step that raised (its closure, a SnapshotError, ...): discarded, and the RNG

@@ -130,6 +130,7 @@ class Judge:
             previous_amax=self.keeper.amax,
             after_update=after_update,
             read=magnitudes if magnitudes is not None and magnitudes[0] else None,
+            checked_at=self.keeper.vouched_step,
         )
 
     def _spike_reproduces(self, spike: str, closures: Sequence[Closure]) -> bool | None:

@@ -70,6 +70,7 @@ class SnapshotKeeper:
         self.snapshot: Snapshot | None = None
         self.taken = 0
         self.amax: dict[str, float] = {}
+        self.vouched_step: int | None = None  # the step whose vetting last found it good
         self.run_id = new_run_id()
         self.home = Path(policy.snapshot_dir) if policy.snapshot_dir is not None else None
         self.store = (
@@ -198,6 +199,7 @@ class SnapshotKeeper:
         due, and say so (a ``snapshot`` event)."""
         assert self.snapshot is not None
         self.amax = dict(amax)
+        self.vouched_step = step
         where = "memory"
         if self.store is not None and (self.taken - 1) % self.policy.disk_every == 0:
             where = self._write(step, self.snapshot)

@@ -2,9 +2,13 @@
 
 Words used here:
 
-- *state tensors*: every parameter and every floating optimizer-state tensor (AdamW's
-  ``exp_avg``, ``exp_avg_sq``; not its ``step`` counter), named ``param:<name>`` and
-  ``optimizer:<name>.<key>`` after the parameter's owner module.
+- *state tensors*: every parameter, every floating optimizer-state tensor (AdamW's
+  ``exp_avg``, ``exp_avg_sq``; not its ``step`` counter) and every floating buffer a
+  snapshot keeps (BatchNorm's running statistics: the persistent ones of
+  ``state_dict``), named ``param:<name>``, ``optimizer:<name>.<key>`` and
+  ``buffer:<name>`` after their owner module. A buffer is bad when it holds a NaN, or
+  an inf it did not hold at the last check (``-inf`` masks registered as buffers are
+  data: a buffer infinite at its first check is taken as intended).
 - *vetting*: one stacked read of every state tensor's largest magnitude (NaN when it
   holds a NaN). A snapshot is taken only of vetted state, and the magnitudes are kept
   for the *magnitude rule*: a parameter whose largest magnitude grew more than
@@ -34,6 +38,7 @@ from floatguard.guard.channel import ReadChannel
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.run import StepRunner
 from floatguard.guard.types import Closure, Precision
+from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault
 from floatguard.monitor.replay import ReplayResult, run_localized
 from floatguard.stability.clip import total_norm
@@ -62,6 +67,10 @@ class StateTensor:
     def is_param(self) -> bool:
         return self.role.startswith("param:")
 
+    @property
+    def is_buffer(self) -> bool:
+        return self.role.startswith("buffer:")
+
 
 @dataclass(frozen=True)
 class Vetting:
@@ -78,6 +87,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     if t.layout == torch.strided and not t.is_complex() and type(t) in (torch.Tensor, nn.Parameter):
         return t.detach()
     return values_of(t)
+
+
+def _since(checked_at: int | None) -> str:
+    if checked_at is None:
+        return "non-finite since the guard began (no check found it good)"
+    return f"non-finite since the last check at step {checked_at}"
 
 
 def named_root(model: nn.Module) -> nn.Module:
@@ -130,6 +145,7 @@ class Locator:
         reader: StepReader,
         channel: ReadChannel,
         device: torch.device,
+        updates: UpdateCheck | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -139,6 +155,7 @@ class Locator:
         self.reader = reader
         self.channel = channel
         self.device = device
+        self.updates = updates if updates is not None else UpdateCheck(optimizer)
         self._named: list[tuple[str, str, torch.Tensor]] | None = None
         # state_tensors' list, and what it was built from (to see a change cheaply)
         self._listed: (
@@ -148,6 +165,8 @@ class Locator:
             ]
             | None
         ) = None
+        self._listed_buffers: list[torch.Tensor] | None = None
+        self._buffer_names: list[tuple[str, str, torch.Tensor]] | None = None
         self._plan: _native.AmaxPlan | None = None
         self._keys_of: tuple[list[StateTensor], list[str], list[int]] | None = None
 
@@ -162,7 +181,14 @@ class Locator:
                 owner, _, pname = name.rpartition(".")
                 self._named.append((owner, pname, param))
         state = self.optimizer.state
-        if self._listed is not None and self._unchanged(state):
+        buffers = self._buffers()
+        if (
+            self._listed is not None
+            and self._unchanged(state)
+            and self._listed_buffers is not None
+            and len(buffers) == len(self._listed_buffers)
+            and all(a is b for a, b in zip(buffers, self._listed_buffers, strict=True))
+        ):
             return self._listed[0]
         out: list[StateTensor] = []
         seen: list[tuple[torch.Tensor, object, int, list[tuple[object, object]]]] = []
@@ -180,10 +206,31 @@ class Locator:
                 keyed.append((key, v))
             seen.append((p, entry, len(entry), keyed))
             out.append(StateTensor(owner, f"param:{pname}", local_part(p)))
+        for owner, bname, b in self._buffer_names or []:
+            out.append(StateTensor(owner, f"buffer:{bname}", local_part(b)))
         self._listed = (out, seen)
+        self._listed_buffers = buffers
         self._plan = None
         return out
 
+    def _buffers(self) -> list[torch.Tensor]:
+        """The floating buffers a snapshot keeps (persistent, strided, non-empty), read
+        anew each time (a module may replace a buffer tensor): their owners and names
+        in ``_buffer_names``."""
+        names: list[tuple[str, str, torch.Tensor]] = []
+        for mname, module in named_root(self.model).named_modules():
+            skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+            for bname, b in module.named_buffers(recurse=False):
+                if (
+                    b is not None
+                    and bname not in skip
+                    and b.is_floating_point()
+                    and b.layout == torch.strided
+                    and b.numel() > 0
+                ):
+                    names.append((mname, bname, b))
+        self._buffer_names = names
+        return [b for _, _, b in names]
     def _unchanged(self, state: dict[torch.Tensor, dict[object, object]]) -> bool:
         assert self._listed is not None
         for p, entry, size, keyed in self._listed[1]:
@@ -232,6 +279,7 @@ class Locator:
         previous_amax: dict[str, float] | None = None,
         after_update: bool = False,
         read: tuple[list[StateTensor], list[float]] | None = None,
+        checked_at: int | None = None,
     ) -> Vetting:
         """Every state tensor's largest magnitude (read once here, or given: ``read``,
         the tensors and the values the step's read carried); the first bad one as a
@@ -239,8 +287,12 @@ class Locator:
         before the parameter it updates), then a non-finite parameter (under fp16
         autocast, one past fp16's range: it becomes inf when cast), then one that
         breaks the magnitude rule against ``previous_amax``. ``after_update``: the step
-        before was applied, so a parameter non-finite now may have been made by that
-        update (then the fault's op is "optimizer.step", see :meth:`_update_made`)."""
+        before was applied, so a parameter bad now may have been made by that update:
+        the fault's op is "optimizer.step" only when verified (:class:`UpdateCheck`),
+        "outside" when the update verifiably could not have made it, else
+        "update_or_outside". ``checked_at``: the step whose check last found the state
+        good (the last snapshot's), named in the fault's source. A bad floating buffer
+        is a fault with op "buffer" (tensor ``buffer:<name>``)."""
         if read is None:
             tensors, stacked = self.magnitudes()
             values = stacked.tolist() if stacked is not None else []  # bad steps only
@@ -251,13 +303,21 @@ class Locator:
         limit = FP16_MAX if self.precision == "fp16" else math.inf
         if all_clean(values, params, keys, previous_amax or {}, limit):
             return Vetting(amax, None)
+        previous = previous_amax or {}
         ranked: list[tuple[int, StateTensor, float, str | None]] = []
         for t, v in zip(tensors, values, strict=True):
+            if t.is_buffer:
+                before = previous.get(t.key)
+                if math.isnan(v) or (
+                    math.isinf(v) and before is not None and math.isfinite(before)
+                ):
+                    ranked.append((1, t, v, None))
+                continue
             is_param = t.is_param
             if not math.isfinite(v) or (is_param and v > limit):
                 ranked.append((0 if not is_param else 1, t, v, None))
             elif is_param:
-                why = self._implausible(v, (previous_amax or {}).get(f"{t.owner}.{t.role}"))
+                why = self._implausible(v, previous.get(t.key))
                 if why is not None:
                     ranked.append((2, t, v, why))
         if not ranked:
@@ -266,16 +326,36 @@ class Locator:
         kind: Literal["nan", "inf", "huge"] = (
             "nan" if math.isnan(v) else "huge" if why is not None and math.isfinite(v) else "inf"
         )
-        if why is not None:
-            before = (previous_amax or {}).get(f"{t.owner}.{t.role}")
-            limit_now = (
-                IMPLAUSIBLE if before is None else min(IMPLAUSIBLE, max(FLOOR, JUMP * before))
-            )
-            # A flipped bit makes one absurd element; an update with an absurd LR, many.
-            many = after_update and int((values_of(t.tensor).abs() > limit_now).sum()) > 1
-            op, source = ("optimizer.step" if many else "magnitude"), why
-        elif rank == 1 and after_update and self._update_made(t.tensor):
-            op, source = "optimizer.step", None
+        if t.is_buffer:
+            op, source = "buffer", _since(checked_at)
+        elif rank == 0:
+            op, source = "parameter", None
+        elif after_update:
+            # Who wrote it: the last update, verified from the optimizer's own state where
+            # its rule is known, or "by the update or outside it" (never guessed).
+            before = previous.get(t.key)
+            bound = IMPLAUSIBLE if before is None else min(IMPLAUSIBLE, max(FLOOR, JUMP * before))
+            made = self.updates.made(t.tensor, kind, bound)
+            if made is True:
+                op, source = "optimizer.step", why
+            elif made is False:
+                not_update = (
+                    "the last update could not have made it (its step there, recomputed "
+                    "from the optimizer's state, is finite and small): written outside "
+                    "the optimizer (between steps: a callback, a resize, a checkpoint "
+                    "load) or flipped in memory"
+                )
+                if why is not None:
+                    op, source = "magnitude", f"{why}; {not_update}"
+                else:
+                    op, source = "outside", f"{_since(checked_at)}: {not_update}"
+            else:
+                op = "update_or_outside"
+                source = f"{_since(checked_at)}: written by the update or outside it"
+                if why is not None:
+                    source += f" ({why})"
+        elif why is not None:
+            op, source = "magnitude", why
         else:
             op, source = "parameter", None
         fault = Fault(
@@ -301,16 +381,6 @@ class Locator:
         params = [i for i, t in enumerate(tensors) if t.is_param]
         self._keys_of = (tensors, keys, params)
         return keys, params
-
-    @staticmethod
-    def _update_made(param: torch.Tensor) -> bool:
-        """Whether a parameter found non-finite right after an applied update was made
-        so by the update rather than by a flipped bit: a 16-bit parameter (AdamW's eps
-        underflows in fp16; its update rounds in the parameter's dtype), or more than
-        one non-finite element (a flipped bit makes one). One read, bad steps only."""
-        if param.dtype in (torch.float16, torch.bfloat16):
-            return True
-        return int((~values_of(param).isfinite()).sum()) > 1
 
     @staticmethod
     def _implausible(amax: float, before: float | None) -> str | None:

@@ -181,6 +181,13 @@ class Decision:
     restore: bool = False
 
 
+# The causes where the model itself holds the bad value: answered by a rollback, and a
+# stop restores the last clean snapshot first.
+_BAD_STATE = frozenset(
+    {"nonfinite_param", "nonfinite_optimizer_state", "optimizer_update", "nonfinite_buffer"}
+)
+
+
 def cause_of_fault(fault: FaultFacts | None, finite_loss: bool) -> Cause:
     """The cause a localized (or unlocalized) non-finite step is answered for."""
     if fault is None:
@@ -188,6 +195,8 @@ def cause_of_fault(fault: FaultFacts | None, finite_loss: bool) -> Cause:
     if fault.phase == "param":
         if fault.tensor.startswith("optimizer:"):
             return "nonfinite_optimizer_state"
+        if fault.tensor.startswith("buffer:"):
+            return "nonfinite_buffer"
         if fault.op == "optimizer.step":
             return "optimizer_update"
         return "nonfinite_param"
@@ -224,7 +233,7 @@ def _on_fault(evidence: Evidence, state: LadderState, policy: ResponsePolicy) ->
         and bool(fault.deterministic)
         and state.rolled_back_for == fault_key(fault)
     )
-    if cause in ("nonfinite_param", "nonfinite_optimizer_state", "optimizer_update"):
+    if cause in _BAD_STATE:
         state = _input_seen(state, policy, False)
         if again:
             return _stop(state, cause, "repeated_fault", fault, restore=True)
@@ -269,7 +278,7 @@ def _rollback(
     fault = evidence.fault
     streak = 0 if state.good_since_rollback >= policy.rollback_window else state.rollback_streak
     state = state.replace(rollback_streak=streak + 1, good_since_rollback=0)
-    restore = cause in ("nonfinite_param", "nonfinite_optimizer_state", "optimizer_update")
+    restore = cause in _BAD_STATE
     if state.rollback_streak > policy.max_rollbacks:
         return _stop(
             state,
