@@ -52,7 +52,9 @@ class UpdateCheck:
     def record(self) -> None:
         """The hyper-parameters the update about to run uses (the guard's LR factor
         included): kept as given (a tensor LR is read only on a bad step)."""
-        self._last = [(g.get("lr"), g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups]
+        self._last = [
+            (g.get("lr"), g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups
+        ]
 
     def made(
         self, param: torch.Tensor, kind: Literal["nan", "inf", "huge"], bound: float
