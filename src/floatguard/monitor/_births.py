@@ -17,8 +17,8 @@ from floatguard.monitor._replay_context import _MODULE_TAG, _Context, _in_backwa
 from floatguard.monitor._replay_result import ReplayResult, _Candidate
 from floatguard.monitor._replay_values import _float_operands, _has_nan, _severity, _storage
 from floatguard.monitor._sources import _engine_frame, _from_anomaly_trace, _user_frame
+from floatguard.monitor._stats_read import stats_of
 from floatguard.monitor.localize import Phase
-from floatguard.stats import tensor_stats
 
 # Uninitialised memory may hold anything: never blame these.
 _SKIP = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_")
@@ -120,7 +120,7 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     kind=kind,
                     source=_user_frame(traceback.extract_stack()[:-2]),
                     inputs=[],
-                    outputs=[tensor_stats(t)],
+                    outputs=[stats_of(t)],
                     deterministic=None,
                     module=module if module is not None else "",
                     tensor=f"data into {func}",
@@ -213,7 +213,7 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self._note_loss(name, in_t, [_severity(t) for t in _float_operands(out)[0]])
             return out
         # before an in-place op changes them; constants after the other inputs
-        stats_in = [tensor_stats(t) for t in (*in_t, *consts)]
+        stats_in = [stats_of(t) for t in (*in_t, *consts)]
         out = func(*args, **kwargs)
         out_t, _, _ = _float_operands(out)
         sev = [_severity(t) for t in out_t]
@@ -250,7 +250,7 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
             kind=kind,
             source=source,
             inputs=stats_in,
-            outputs=[tensor_stats(t) for t in out_t],
+            outputs=[stats_of(t) for t in out_t],
             deterministic=None,
             module=module,
             tensor=role,

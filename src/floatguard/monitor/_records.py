@@ -9,10 +9,11 @@ from typing import NamedTuple
 import torch
 
 from floatguard._values import local_part, values_of
+from floatguard.monitor._stats_read import stats_and_minmax
 from floatguard.monitor.bounds import Rule, sum_rule
 from floatguard.monitor.localize import Record, RecordKind
 from floatguard.monitor.sentinel import Sentinel
-from floatguard.stats import TensorStats, stats_and_aminmax
+from floatguard.stats import TensorStats
 
 __all__ = ["RecordBook"]
 
@@ -131,10 +132,12 @@ class RecordBook:
             strided = t.layout == torch.strided
             r = t if strided and not t.is_complex() else values_of(t)
             if stats_on:
-                # one read for both where it can; a sparse tensor's stats count the
-                # zeros it does not store
+                # one read for both where it can (so the slot's verdict is the
+                # stats' read: it must see t's values, not the memory around a
+                # view, see _stats_read); a sparse tensor's stats count the zeros it
+                # does not store
                 sparse = not strided and not t.is_complex()
-                stats, minmax = stats_and_aminmax(t if sparse else r)
+                stats, minmax = stats_and_minmax(t if sparse else r)
                 slot = self.sentinel.add(r, minmax)
             else:
                 slot = self.sentinel.add(r)

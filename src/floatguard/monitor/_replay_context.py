@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from floatguard._values import values_of
 from floatguard.monitor._replay_result import ReplayResult, _Candidate
 from floatguard.monitor._replay_values import _severity, _storage
-from floatguard.stats import tensor_stats
+from floatguard.monitor._stats_read import stats_of
 
 # The key, in an autograd node's metadata, of the module whose call made the node.
 _MODULE_TAG = "floatguard_module"
@@ -217,7 +217,7 @@ def _already_there(
         kind="nan" if bool(torch.isnan(values).any()) else "inf",
         source=None,
         inputs=[],
-        outputs=[tensor_stats(values)],
+        outputs=[stats_of(values)],
         deterministic=None,
         module=module,
         tensor=tensor,
