@@ -267,4 +267,3 @@ def _set_hypers(optimizer: torch.optim.Optimizer, hypers: list[dict[str, Any]]) 
                     group[k] = v
             else:
                 group[k] = v
-

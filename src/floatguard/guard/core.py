@@ -166,7 +166,12 @@ class Guard(GuardPersistence):
         )
         on_loss = self._monitor.check_loss if self._monitor is not None else None
         self._runner = StepRunner(
-            precision, self._device, self._scaler, self._channel.region, on_loss
+            precision,
+            self._device,
+            self._scaler,
+            self._channel.region,
+            on_loss,
+            [p for g in optimizer.param_groups for p in g["params"]],
         )
         self._reader = StepReader(
             optimizer, self._scaler, self._channel, self._monitor, self._device

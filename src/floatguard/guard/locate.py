@@ -231,6 +231,7 @@ class Locator:
                     names.append((mname, bname, b))
         self._buffer_names = names
         return [b for _, _, b in names]
+
     def _unchanged(self, state: dict[torch.Tensor, dict[object, object]]) -> bool:
         assert self._listed is not None
         for p, entry, size, keyed in self._listed[1]:

@@ -48,6 +48,7 @@ class StepRunner:
         scaler: DynamicLossScaler,
         region: Callable[[], contextlib.AbstractContextManager[None]],
         on_loss: Callable[[torch.Tensor], object] | None = None,
+        params: Sequence[torch.Tensor] = (),
     ) -> None:
         self.precision = precision
         self.device = device
@@ -55,6 +56,13 @@ class StepRunner:
         self.region = region
         self.on_loss = on_loss
         self.losses: list[torch.Tensor] = []
+        # A few trainable parameters spread over the model: whether a closure ran the
+        # backward itself shows in their gradients (O(1) a step, not a walk of all).
+        trainable = [p for p in params if p.requires_grad]
+        n = len(trainable)
+        self._probes = (
+            [trainable[(k * (n - 1)) // 7] for k in range(8)] if n > 8 else list(trainable)
+        )
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -114,13 +122,43 @@ class StepRunner:
         last backward: under DDP the channel arms its comm hook with it, so the step's
         read rides on DDP's gradient all-reduce."""
         for i, closure in enumerate(closures):
+            mark = self._mark()
             with self.autocast(), self.region():
                 loss = closure()
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(
                     f"the closure must return the loss tensor, got {type(loss).__name__}"
                 )
+            if self._mark() != mark:  # the closure ran loss.backward() itself
+                self._own_backward(loss, len(closures), before_last_backward is not None)
+                continue
             if before_last_backward is not None and i == len(closures) - 1:
                 kept = [*self.losses, loss.detach().float().reshape(())]
                 before_last_backward(torch.stack(kept).mean().to(self.device))
             self.backward(loss)
+
+    def _mark(self) -> list[tuple[int, int] | None]:
+        """The probes' gradients (identity, version): a backward changes them."""
+        return [None if (g := p.grad) is None else (id(g), g._version) for p in self._probes]
+
+    def _own_backward(self, loss: torch.Tensor, n_closures: int, hooked: bool) -> None:
+        """A PyTorch-style closure (``opt.zero_grad(); loss.backward(); return loss``):
+        its gradients are the step's, its loss is kept, no second backward runs. Where
+        the guard must run the backward itself, said at once with what to change."""
+        why = None
+        if self.scaler.enabled:
+            why = "under precision='fp16' the guard scales the loss before its backward"
+        elif n_closures > 1:
+            why = "with a sequence of closures the guard accumulates their gradients"
+        elif hooked:
+            why = "under DDP the guard's read rides on the backward it runs"
+        if why is not None:
+            raise RuntimeError(
+                f"Guard.step: the closure called loss.backward() itself; {why}: return "
+                "the loss without calling backward() (and without zero_grad(): the guard "
+                "zeroes the gradients after every step)"
+            )
+        loss = _scalar(loss, "Guard.step's closure")
+        if self.on_loss is not None:
+            self.on_loss(loss)
+        self.losses.append(loss.detach().float().reshape(()).to(self.device))
