@@ -15,6 +15,7 @@ from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import Verdict
 from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.read import StepRead, StepReader
+from floatguard.guard.stall import StallWatch
 from floatguard.guard.types import Action
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault
@@ -51,22 +52,29 @@ class Actor:
         stateful: Callable[[], dict[str, Any]],
         updates: UpdateCheck,
         step_scheduler: bool = True,
+        stall: StallWatch | None = None,
     ) -> None:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.state, self.reader, self.clipper = state, reader, clipper
         self.spike_watch, self.keeper, self.emit = spike_watch, keeper, emit
         self.response, self.stateful = response, stateful
-        self.updates, self.step_scheduler = updates, step_scheduler
+        self.updates, self.step_scheduler, self.stall = updates, step_scheduler, stall
         self.metric: float | None = None  # the metric a metric-driven scheduler is given
         self.applying = False
 
     def act(
-        self, step: int, read: StepRead, verdict: Verdict, snapshot: Snapshotter
+        self,
+        step: int,
+        read: StepRead,
+        verdict: Verdict,
+        snapshot: Snapshotter,
+        batch: dict[str, Any] | None = None,
     ) -> tuple[Action, policy.LadderState]:
-        """Carry ``verdict`` out; the action taken and the policy's state after it."""
+        """Carry ``verdict`` out; the action taken and the policy's state after it.
+        ``batch``: the step's batch identity, for its fault and spike events."""
         decision, fault = verdict.decision, verdict.fault
         if fault is not None:
-            self.emit.fault(step, fault, decision.cause)
+            self.emit.fault(step, fault, decision.cause, batch)
         if decision.response == "apply":
             return "applied", self._apply(step, read, verdict, snapshot)
         self.state.restore_buffers()  # a step not applied leaves no trace in them
@@ -78,9 +86,10 @@ class Actor:
             self.scaler.skip_step()
         if verdict.spike is not None:
             signal = verdict.spike.removesuffix("_spike")
-            self.emit.spike(step, signal, verdict.spike_value, verdict.spike_reproduced)
+            self.emit.spike(step, signal, verdict.spike_value, verdict.spike_reproduced, batch)
         if decision.warning is not None:
-            self.emit.warning(step, decision.warning, decision.state.transients)
+            code = "bad_data" if decision.cause == "nonfinite_input" else "transients"
+            self.emit.warning(step, decision.warning, decision.state.transients, code=code)
         if decision.response == "stop":
             self._stop(step, decision, fault)
         action: Action = "skipped"
@@ -122,6 +131,8 @@ class Actor:
             self.spike_watch.record(read.loss, read.grad_norm)
             state = policy.applied(state, self.response)
             self.keeper.fence()  # a host snapshot's copy is read before the update
+            if self.stall is not None:
+                self.stall.before(verdict.decision.state.lr_factor)
             versions = [p._version for p in params]
             self._optimizer_step(verdict.decision.state.lr_factor)
         except BaseException as e:

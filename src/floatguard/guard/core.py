@@ -32,12 +32,14 @@ from floatguard.guard.channel import ReadChannel
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import Judge, Verdict
 from floatguard.guard.keeper import SnapshotKeeper
-from floatguard.guard.locate import Locator
+from floatguard.guard.locate import Locator, named_root
 from floatguard.guard.peers import Peers
 from floatguard.guard.persist import GuardPersistence
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.run import StepRunner, as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
+from floatguard.guard.batch_id import BatchInputs
+from floatguard.guard.stall import StallWatch
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
@@ -179,6 +181,11 @@ class Guard(GuardPersistence):
         self._state = StepState(model)
         self._state.save()
         self._updates = UpdateCheck(optimizer)
+        names = {id(p): n for n, p in named_root(model).named_parameters()}
+        self._stall = StallWatch(optimizer, names)
+        self._inputs = BatchInputs(model)
+        self._step_inputs: list[tuple[Any, ...]] = []
+        self._ended = False
         self._locator = Locator(
             model,
             optimizer,
@@ -205,6 +212,7 @@ class Guard(GuardPersistence):
             self._stateful,
             self._updates,
             step_scheduler,
+            self._stall if self._stall.active else None,
         )
         self._judge = Judge(
             self._response,
@@ -362,6 +370,7 @@ class Guard(GuardPersistence):
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
         else:
             closures = as_closures(replay) if replay else []
+        self._step_inputs = self._inputs.take()  # this step's batch, before any replay
         self.step_count, self._actor.applying = step + 1, False
         try:
             # A snapshot step reads the state's magnitudes with the step, to vet them.
@@ -399,12 +408,23 @@ class Guard(GuardPersistence):
     def _act(self, step: int, read: StepRead, verdict: Verdict) -> StepResult:
         scale = self._scaler.get_scale()
         lr = self._lr(verdict.decision.state.lr_factor)  # what the update uses
+        batch = (
+            self._inputs.identity(step, self._step_inputs)
+            if verdict.fault is not None or verdict.spike is not None
+            else None
+        )
         try:
-            action, self._ladder = self._actor.act(step, read, verdict, self._snapshot_now)
+            action, self._ladder = self._actor.act(step, read, verdict, self._snapshot_now, batch)
         except GuardStopped:
             self._ladder = verdict.decision.state
             raise
         self._previous_applied = action == "applied"
+        if self._previous_applied and self._stall.active:
+            stalled = self._stall.after(step)  # on its sampled steps only
+            if stalled is not None:
+                self._emit.warning(
+                    step, StallWatch.message(stalled), code="stalled_updates", evidence=stalled
+                )
         self._keeper.settle()  # an overlapped copy the step did not vouch for
         self._end_step()
         result = StepResult(
@@ -439,6 +459,8 @@ class Guard(GuardPersistence):
     def _discard(self) -> None:
         self._optimizer.zero_grad(set_to_none=True)
         self._runner.clear()
+        self._step_inputs = []
+        self._inputs.take()
         self._state.restore_buffers()
         if self._scaler.enabled:
             self._scaler.skip_step()
@@ -454,6 +476,8 @@ class Guard(GuardPersistence):
             self._stats_monitor.next_step()
         self._optimizer.zero_grad(set_to_none=True)
         self._runner.clear()
+        self._step_inputs = []
+        self._inputs.take()  # replays' calls
         if self._monitor is not None:
             self._monitor.next_step()
         self._state.save()
@@ -467,12 +491,44 @@ class Guard(GuardPersistence):
         self._close(None)
 
     def _close(self, error: BaseException | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._end()
+        self._inputs.close()
         for mon in (self._monitor, self._stats_monitor):
             if mon is not None:
                 mon.detach()
         self._keeper.close()
         self._channel.close(error)
         self._events.close()
+
+    def _end(self) -> None:
+        """The ``end`` event: whether the run ends with finite weights, optimizer state
+        and floating buffers (one read, at close), which are not, the LR factor; a
+        non-finite buffer is also a warning (the run never ends with one unsaid)."""
+        try:
+            bad = self._locator.nonfinite_now(self._keeper.amax)
+        except Exception:  # noqa: BLE001 (closing must not fail on the check)
+            bad = None
+        lr = self._lr(self._ladder.lr_factor)
+        scale = self._scaler.get_scale() if self._scaler.enabled else None
+        buffers = [n.removeprefix("buffer:") for n in bad or [] if n.startswith("buffer:")]
+        if buffers:
+            self._emit.warning(
+                self.step_count,
+                f"the run ends with non-finite buffer(s) {', '.join(buffers[:5])}: "
+                "evaluation with them gives NaN; restore a snapshot or recompute them",
+                code="nonfinite_buffer",
+                evidence={"buffers": buffers},
+            )
+        self._emit.end(
+            self.step_count,
+            None if bad is None else not bad,
+            bad or [],
+            self._ladder.lr_factor,
+            lr,
+            scale,
+        )
 
     def __enter__(self) -> Guard:
         return self

@@ -372,6 +372,24 @@ class Locator:
         )
         return Vetting(amax, fault)
 
+    def nonfinite_now(self, previous_amax: dict[str, float]) -> list[str]:
+        """The state tensors non-finite now (one read): parameters and optimizer state
+        holding a NaN or an inf, buffers by the buffer rule; named ``param:<owner>.<name>``,
+        ``optimizer:<owner>.<name>.<key>``, ``buffer:<owner>.<name>``."""
+        tensors, stacked = self.magnitudes()
+        values = stacked.tolist() if stacked is not None else []
+        out = []
+        for t, v in zip(tensors, values, strict=True):
+            if math.isfinite(v):
+                continue
+            if t.is_buffer and not math.isnan(v):
+                before = previous_amax.get(t.key)
+                if before is None or not math.isfinite(before):
+                    continue  # an inf it held when checked: a mask
+            kind, _, name = t.role.partition(":")
+            out.append(f"{kind}:{t.owner + '.' if t.owner else ''}{name}")
+        return out
+
     def _keys(self, tensors: list[StateTensor]) -> tuple[list[str], list[int]]:
         """The tensors' magnitude keys and the positions of the parameters among them
         (kept with the listing they were made for)."""
