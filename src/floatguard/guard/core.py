@@ -28,6 +28,7 @@ from floatguard.events import EventLog
 from floatguard.guard import policy
 from floatguard.guard._setup import check_args, configuration, rank_of
 from floatguard.guard.act import Actor
+from floatguard.guard.batch_id import BatchInputs
 from floatguard.guard.channel import ReadChannel
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import Judge, Verdict
@@ -37,9 +38,8 @@ from floatguard.guard.peers import Peers
 from floatguard.guard.persist import GuardPersistence
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.run import StepRunner, as_closures
-from floatguard.guard.types import Closure, Precision, StepResult, Watch
-from floatguard.guard.batch_id import BatchInputs
 from floatguard.guard.stall import StallWatch
+from floatguard.guard.types import Closure, Precision, StepResult, Watch
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
@@ -508,7 +508,7 @@ class Guard(GuardPersistence):
         non-finite buffer is also a warning (the run never ends with one unsaid)."""
         try:
             bad = self._locator.nonfinite_now(self._keeper.amax)
-        except Exception:  # noqa: BLE001 (closing must not fail on the check)
+        except Exception:  # closing must not fail on the check
             bad = None
         lr = self._lr(self._ladder.lr_factor)
         scale = self._scaler.get_scale() if self._scaler.enabled else None
