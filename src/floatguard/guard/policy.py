@@ -65,8 +65,9 @@ class FaultFacts(Protocol):
 
 
 def fault_key(fault: FaultFacts) -> FaultKey:
-    """What makes two faults "the same fault" for the stop rule."""
-    return (fault.phase, fault.module, fault.tensor, fault.op)
+    """What makes two faults "the same fault" for the stop rule (a bad state tensor is
+    the same fault whoever is known to have written it: the update, or outside it)."""
+    return (fault.phase, fault.module, fault.tensor, None if fault.phase == "param" else fault.op)
 
 
 @dataclass(frozen=True)
