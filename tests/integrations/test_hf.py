@@ -224,3 +224,29 @@ def test_trainer_under_ddp_decides_alike_on_every_rank(tmp_path: Path) -> None:
         ]
         faults = [e.fields["fault_rank"] for e in events if e.kind == "fault"]
         assert len(skipped) == 1 and skipped[0][1] == "nonfinite_input" and faults == [0]
+
+
+def test_a_reduce_lr_on_plateau_trainer_runs_and_is_stepped_on_its_metric(tmp_path: Path) -> None:
+    # Issue 36, item 7: lr_scheduler_type="reduce_lr_on_plateau" crashed on the first
+    # step (the guard stepped it without a metric, after optimizer.step had run).
+    model, _ = _model("gpt2")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6,
+        learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_num_workers=0, seed=0, eval_strategy="steps",
+        eval_steps=3, lr_scheduler_type="reduce_lr_on_plateau", max_grad_norm=1.0,
+    )  # fmt: skip
+    data = Embeds(40)
+    data.x[NAN_BATCH * 2, 3, 5] = 0.0  # no fault here
+    evals = [{"inputs_embeds": data.x[i], "labels": data.y[i]} for i in range(4)]
+    cb = FloatguardCallback()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, eval_dataset=evals)
+    add_to(trainer, cb)
+    trainer.train()
+    assert cb.totals == {"applied": 6, "skipped": 0, "rolled_back": 0}
+    sched = trainer.lr_scheduler
+    assert isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    assert sched.last_epoch == 2  # stepped by the Trainer at its two evaluations only
+    events = list(read_events(tmp_path / "floatguard-events.jsonl"))
+    run = next(e for e in events if e.kind == "run")
+    assert run["clip"]["norm_measured"] == "after_clip"  # the Trainer clipped first

@@ -299,3 +299,35 @@ def test_logging_off_puts_back_what_was_there() -> None:
     with pytest.raises(RuntimeError), _logging_off(module):
         raise RuntimeError  # restored on the way out of an error too
     assert module.log is own and "log_dict" not in vars(module)
+
+
+class PlateauModule(Module):  # type: ignore[misc]
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": sched, "interval": "step", "monitor": "train_loss"},
+        }
+
+
+def test_a_plateau_scheduler_config_runs_and_lightning_steps_it(tmp_path: Path) -> None:
+    # Issue 36, item 7: a ReduceLROnPlateau config crashed on the first step.
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 8, 4, generator=g), torch.randn(12, 8, 1, generator=g)
+    data = torch.utils.data.DataLoader(list(zip(x, y, strict=True)), batch_size=None)
+    module = PlateauModule()
+    cb = FloatguardCallback()
+    trainer = pl.Trainer(
+        max_steps=12, callbacks=[cb], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(module, data)
+    assert cb.totals["applied"] == 12
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 12  # Lightning stepped it with train_loss, every step

@@ -66,6 +66,10 @@ class Guard(GuardPersistence):
         step_scheduler: False when the caller steps the scheduler itself (a framework
             stepping ReduceLROnPlateau on its evaluation metric): the guard then only
             keeps it in its snapshots and restores it on a rollback.
+        clipped_before: the gradients reach the guard already clipped by the caller (a
+            framework's own clipping, as the Trainer's ``max_grad_norm``): the gradient
+            norm it reads and reports is the clipped one, and its ``run`` event says so
+            (``clip["norm_measured"] == "after_clip"``).
         clip, spikes, response: frozen policies (defaults: ZClip with its published
             settings; robust loss-spike detection; responses by cause, see
             ``docs/guard.md``, "The judgement").
@@ -113,6 +117,7 @@ class Guard(GuardPersistence):
         peer_timeout_s: float | None = 600.0,
         peer_grace_s: float | None = 10.0,
         step_scheduler: bool = True,
+        clipped_before: bool = False,
     ) -> None:
         check_args(model, optimizer, precision, watch, scaler, stats_every)
         if distributed is None:
@@ -232,7 +237,15 @@ class Guard(GuardPersistence):
         # vetted): weights a user loads after building the guard (a fine-tune's
         # pretrained weights, a resume through load_state_dict) are the ones kept.
         self._snapshot_pending = True
-        self._emit.run(precision, self._scaler.enabled, model, optimizer, process_group, self._clip)
+        self._emit.run(
+            precision,
+            self._scaler.enabled,
+            model,
+            optimizer,
+            process_group,
+            self._clip,
+            "after_clip" if clipped_before else "before_clip",
+        )
 
     # ------------------------------------------------------ read-only views
     model = property(lambda self: self._model)

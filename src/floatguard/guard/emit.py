@@ -64,6 +64,7 @@ class GuardEvents:
         optimizer: torch.optim.Optimizer,
         process_group: Any,
         clip: ClipPolicy,
+        norm_measured: str = "before_clip",
     ) -> None:
         """What the run computes in, for the diagnosis: autocast precision, loss scaling,
         the parameters' dtypes (16-bit weights: no fp32 master copy), the optimizer, and
@@ -84,7 +85,7 @@ class GuardEvents:
             param_dtypes=dtypes,
             optimizer=type(optimizer).__name__,
             world_size=int(world),
-            clip=clip_fields(clip),
+            clip={**clip_fields(clip), "norm_measured": norm_measured},
         )
 
     def step(self, result: StepResult) -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from floatguard.guard import Guard, Precision, StepResult
+from floatguard.guard.act import is_metric_scheduler
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.respond import ClipPolicy, ResponsePolicy, SpikePolicy
 
@@ -55,12 +56,22 @@ class GuardedLoop:
             os.makedirs(folder, exist_ok=True)
             log = os.path.join(folder, name)
         clip = self.clip or ClipPolicy(kind="none" if framework_clips else "zclip")
+        # A metric-driven scheduler (ReduceLROnPlateau) is stepped by the framework with
+        # its evaluation metric; the guard keeps it in its snapshots only.
         self.guard = Guard(
             model, optimizer, precision=precision, scheduler=scheduler, clip=clip,
             spikes=self.spikes, response=self.response, watch=self.watch,  # type: ignore[arg-type]
             scaler=DynamicLossScaler(enabled=False), log=log,
+            step_scheduler=scheduler is None or not is_metric_scheduler(scheduler),
+            clipped_before=framework_clips,
         )  # fmt: skip
         return self.guard
+
+    def wrap_scheduler(self, scheduler: Any) -> None:
+        """Gate a per-step scheduler's ``step`` (the guard steps it after applied steps);
+        a metric-driven one is left to the framework, which steps it with its metric."""
+        if not is_metric_scheduler(scheduler):
+            self.wrap(scheduler, "step", self.scheduler_step)
 
     def wrap(self, obj: Any, name: str, gate: Callable[..., Any]) -> None:
         """Replace ``obj.name`` by ``gate(original, *args, **kwargs)`` until :meth:`unwrap`."""

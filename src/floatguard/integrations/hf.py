@@ -103,7 +103,7 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
                         rank=rank)  # fmt: skip
         self.wrap(optimizer, "step", self._optimizer_step)
         if scheduler is not None:
-            self.wrap(scheduler, "step", self.scheduler_step)
+            self.wrap_scheduler(scheduler)
         self._handles: list[Any] = [
             model.register_forward_pre_hook(self._keep_inputs, with_kwargs=True),
             model.register_forward_hook(self._keep_loss),

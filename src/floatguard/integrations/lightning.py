@@ -138,7 +138,7 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
         self.wrap(pl_module, "training_step", self._training_step)
         self.wrap(opt, "step", self._optimizer_step)
         for sched in per_step:
-            self.wrap(sched, "step", self.scheduler_step)
+            self.wrap_scheduler(sched)
 
     # ------------------------------------------------------- collecting
     def on_train_batch_start(
