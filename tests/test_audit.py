@@ -63,19 +63,125 @@ def test_audit_numbers_and_recommendations() -> None:
     json.dumps(report.to_dict(), default=lambda v: None if not math.isfinite(v) else v)
 
 
-def test_fp16_loss_scale_recommendation() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
-    report = audit(model, [torch.randn(32, 16)], loss_fn=lambda m, b: m(b).mean() * 1e-7,
+# Loss-scale advice, from gradients set exactly: a bias-free Linear(1, n) fed x, with the
+# loss sum(out * c), gets c as its output gradient and x * c as its weight gradient.
+# (c, x, fp16 loss, the advice). 1.5 * 2^-e keeps clear of fp16's ties at 2^-25.
+_EPS = 1.5 * 2.0**-30  # 1.4e-09: k = 5 (2^4 x it is below 2^-25, rounds to zero)
+_EPS42 = 1.5 * 2.0**-42  # 3.41e-13: k = 17
+_EPS50 = 1.5 * 2.0**-50  # 1.33e-15: k = 25
+LOSS_SCALE_CASES = [
+    pytest.param(
+        [_EPS] * 4 + [2.0**-4] * 4, 1.0, False,
+        "fp16 needs a loss scale from 2^5 to 2^19 (50% of gradients underflow unscaled): "
+        "use 2^19, the largest that keeps the largest gradient (0.0625) below fp16's max "
+        "65504, 2^5 is the least that keeps the smallest (1.4e-09) from rounding to zero, "
+        "with the loss in float32 as autocast's loss ops give it (an fp16 loss's own "
+        "gradient is the scale: 2^15 at most)",
+        id="autocast-beyond-2^15",
+    ),
+    pytest.param(
+        [_EPS] * 4 + [2.0**-4] * 4, 4.0, False,
+        "fp16 needs a loss scale from 2^5 to 2^17 (50% of gradients underflow unscaled): "
+        "use 2^17, the largest that keeps the largest gradient (0.25, a parameter's) below "
+        "fp16's max 65504, 2^5 is the least that keeps the smallest (1.4e-09) from rounding "
+        "to zero, with the loss in float32 as autocast's loss ops give it (an fp16 loss's "
+        "own gradient is the scale: 2^15 at most)",
+        id="weight-gradient-bounds",
+    ),
+    pytest.param(
+        [_EPS] * 4 + [1.0] * 4, 1.0, False,
+        "fp16 needs a loss scale from 2^5 to 2^15 (50% of gradients underflow unscaled): "
+        "use 2^15, the largest that keeps the largest gradient (1) below fp16's max 65504, "
+        "2^5 is the least that keeps the smallest (1.4e-09) from rounding to zero",
+        id="gradient-bounds-at-2^15",
+    ),
+    pytest.param(
+        [_EPS] * 4 + [2.0**-4] * 4, 1.0, True,
+        "fp16 needs a loss scale from 2^5 to 2^15 (50% of gradients underflow unscaled): "
+        "use 2^15, the most an fp16 loss takes (its own gradient is the scale, fp16's max "
+        "65504), 2^5 is the least that keeps the smallest (1.4e-09) from rounding to zero",
+        id="fp16-loss",
+    ),
+    pytest.param(
+        [_EPS42] * 4 + [2.0**-4] * 4, 1.0, False,
+        "fp16 needs a loss scale from 2^17 to 2^19 (50% of gradients underflow unscaled): "
+        "use 2^19, the largest that keeps the largest gradient (0.0625) below fp16's max "
+        "65504, 2^17 is the least that keeps the smallest (3.41e-13) from rounding to zero, "
+        "with the loss in float32 as autocast's loss ops give it (an fp16 loss's own "
+        "gradient is the scale: 2^15 at most)",
+        id="autocast-needs-2^17",
+    ),
+    pytest.param(
+        [_EPS42] * 4 + [2.0**-4] * 4, 1.0, True,
+        "fp16 gradients need a loss scale of 2^17 or more (50% of gradients underflow "
+        "unscaled), beyond the 2^15 an fp16 loss takes (its own gradient is the scale, and "
+        "fp16's max is 65504): compute the loss in float32 (loss.float() before its final "
+        "sum or mean) and use 2^19, the largest that keeps the largest gradient (0.0625) "
+        "below fp16's max 65504, 2^17 is the least that keeps the smallest (3.41e-13) from "
+        "rounding to zero",
+        id="fp16-loss-needs-2^17",
+    ),
+    pytest.param(
+        [_EPS50] * 2 + [_EPS] * 2 + [1.0] * 4, 1.0, False,
+        "fp16 gradients span more than its range (50% of gradients underflow unscaled): "
+        "2^25 is the least that keeps the smallest (1.33e-15) from rounding to zero, but "
+        "above 2^15 the largest gradient (1) passes fp16's max 65504; at 2^15, 25% still "
+        "underflow: keep bf16",
+        id="span",
+    ),
+    pytest.param(
+        [_EPS50] + [_EPS] * 10 + [1.0] * 1989, 1.0, False,
+        "fp16 needs a loss scale of 2^15 (0.55% of gradients underflow unscaled): use 2^15, "
+        "the largest that keeps the largest gradient (1) below fp16's max 65504, where 0.05% "
+        "still underflow (the smallest, 1.33e-15, needs 2^25)",
+        id="a-few-flush-at-the-best-scale",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("c", "x", "fp16_loss", "advice"), LOSS_SCALE_CASES)
+def test_fp16_loss_scale_advice(c: list[float], x: float, fp16_loss: bool, advice: str) -> None:
+    model = nn.Linear(1, len(c), bias=False)
+    grad = torch.tensor(c)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        loss = (m(b) * grad).sum()
+        return loss.half() if fp16_loss else loss
+
+    report = audit(model, [torch.full((1, 1), x)], loss_fn=loss_fn,
                    formats=("fp16", "bf16"), recipes={})  # fmt: skip
-    rec = " ".join(report["1"].recommendation)
-    assert "fp16 needs a loss scale >= 2^5 " in rec
-    # Gradients so small that the scale they need is not an fp16 value itself
-    tiny = audit(model, [torch.randn(32, 16)], loss_fn=lambda m, b: m(b).mean() * 1e-12,
-                 formats=("fp16", "bf16"), recipes={})  # fmt: skip
-    rec = " ".join(tiny["1"].recommendation)
-    assert "loss scale of 2^21, beyond fp16's own range (2^15 is the largest" in rec
-    assert "needs a loss scale >=" not in rec
+    (layer,) = report.layers  # the model itself, named ""
+    assert layer.recommendation == ["bf16 safe", advice]
+    assert layer.results["gradient"]["param_grad_amax"] == x * max(c)
+
+
+def test_fp16_loss_scale_window_against_casts() -> None:
+    """The window of the first case, by casting the scaled gradients to fp16 (the
+    reference): 2^5 keeps every one, 2^4 flushes the smallest, 2^19 keeps the largest
+    finite, 2^20 overflows it."""
+    c = torch.tensor([_EPS] * 4 + [2.0**-4] * 4)
+    half = [(c * 2.0**s).half() for s in (4, 5, 19, 20)]
+    assert [int((h == 0).sum()) for h in half] == [4, 0, 0, 0]
+    assert [int(h.isinf().sum()) for h in half] == [0, 0, 0, 4]
+
+
+def test_an_fp16_loss_takes_2_to_the_15_at_most() -> None:
+    """What the advice says of an fp16 loss (``model.half()``, or ``out.mean()`` of an
+    fp16 output under autocast): its own gradient is the scale, an fp16 value. GradScaler's
+    float32 scale on it, 2^16, makes the gradients inf; on a float32 loss it does not."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).half()
+    x = torch.randn(3, 4).half()
+    for log2_scale, inf in ((16, True), (15, False)):
+        lin.zero_grad()
+        loss = lin(x).mean()
+        assert loss.dtype == torch.float16
+        (loss * torch.tensor(2.0**log2_scale)).backward()
+        assert lin.weight.grad is not None
+        assert bool(lin.weight.grad.isinf().any()) is inf, log2_scale
+    lin.zero_grad()
+    (lin(x).float().mean() * torch.tensor(2.0**16)).backward()  # the loss in float32
+    assert lin.weight.grad is not None and bool(lin.weight.grad.isfinite().all())
 
 
 def test_audit_errors() -> None:

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from floatguard._values import values_of
 from floatguard.formats.registry import get
 from floatguard.formats.rounding import quantize
 from floatguard.scaling.emulation_recipe import EmulationRecipe
 from floatguard.scaling.recipes import Block, TensorRecipe, Tensorwise
-from floatguard.stats import TensorStats, tensor_stats
+from floatguard.stats import EXP_MIN, TensorStats, tensor_stats
 
 if TYPE_CHECKING:
     from floatguard.scaling.coverage import GemmCoverage
@@ -210,7 +211,131 @@ def _summarize(acc: _Acc) -> dict[str, Any]:
     return out
 
 
-def _recommend(results: dict[str, dict[str, Any]], recipes: Sequence[str]) -> list[str]:
+FP16_MAX = float.fromhex("0x1.ffcp15")  # 65504
+FP32_MAX = float.fromhex("0x1.fffffep127")  # 3.4028234663852886e38
+# The most an fp16 loss can be scaled by: the backward seeds the loss with its own
+# gradient, the scale, as an fp16 value (inf from 65520 on): the largest power of two
+# below 65504 is 2^15.
+FP16_LOSS_SCALE_LOG2 = math.floor(math.log2(FP16_MAX))  # 15
+# A float32 scale itself: the largest power of two float32 holds.
+FP32_SCALE_LOG2 = math.floor(math.log2(FP32_MAX))  # 127
+
+
+@dataclass(frozen=True)
+class _LossSeen:
+    """What the audit saw of the losses it back-propagated."""
+
+    fp16: bool
+    """Some loss was an fp16 tensor (``model.half()``, or an autocast loss op that
+    stays in fp16, such as ``out.mean()``): ``loss * scale`` seeds the backward with
+    the scale as an fp16 value, so 2^15 is the most (2^16 is inf there)."""
+    amax: float
+    """The largest |loss| (a float32 scaled loss must stay within float32's range)."""
+
+
+def _underflow_at(st: TensorStats, log2_scale: int) -> float:
+    """The fraction of ``st``'s values that round to zero in fp16 once multiplied by
+    ``2**log2_scale``: :meth:`TensorStats.underflow_count`'s binades moved down by
+    ``log2_scale`` (a power of two only shifts exponents). To a binade."""
+    f = get("fp16")
+    top = f.emin - f.mantissa_bits - 2 - log2_scale  # the highest exponent still flushed
+    n = top - EXP_MIN + 1
+    return st.fraction(st.hist[:n].sum()) if n > 0 else 0.0
+
+
+def _fp16_loss_scale(g: dict[str, Any], st: TensorStats | None, loss: _LossSeen | None) -> str:
+    """The loss-scale advice for fp16, from the gradients measured (``g``, ``st``).
+
+    The scale multiplies the loss. Under autocast the loss is float32 (autocast runs
+    loss ops in float32) and so is GradScaler's scale (2^16 to start, doubled after
+    2000 clean steps, halved at an overflow): the scale is not an fp16 value and may
+    pass 2^15. What bounds it: every gradient the backward computes in fp16 is the true
+    one times the scale, so the largest gradient times the scale must stay below fp16's
+    max 65504 (``2^h_grad``); and the scaled loss must stay within float32's range. Only
+    an fp16 *loss* (``model.half()``, or ``out.mean()`` of an fp16 output under
+    autocast) takes the scale itself as an fp16 value, its own gradient: 2^15 at most
+    (2^16 is inf there). The least useful scale, ``2^k``, keeps the smallest gradient
+    from rounding to zero (below 2^-25, half fp16's smallest subnormal 2^-24, and at
+    it: ties go to even, zero). Recommended: the largest power of two the bounds allow,
+    ``2^h``, which keeps the most small gradients out of underflow and subnormals (it
+    is where GradScaler's dynamic scale settles); when ``k > h`` no scale keeps both
+    ends, and the advice says what still underflows at ``2^h`` (to a binade).
+    """
+    under = g["format:fp16"]["underflow"]
+    mn, amax = g["min_nonzero"], g["amax"]
+    # the layer's parameter gradients (an fp16 GEMM's output under autocast) count too
+    of_param = g.get("param_grad_amax", 0.0) > amax
+    amax = max(amax, g.get("param_grad_amax", 0.0))
+    if under <= 1e-3 or not (math.isfinite(mn) and mn > 0 and amax > 0):
+        return "fp16 safe"
+    half_tiny = get("fp16").smallest_subnormal / 2  # 2^-25: this and below flush to zero
+    k = max(0, math.floor(math.log2(half_tiny / mn)) + 1)
+    # amax <= 65504 here (an fp16 overflow is advised on before), so h_grad >= 0
+    h_grad = math.floor(math.log2(FP16_MAX / amax))
+    lamax = loss.amax if loss is not None else 0.0
+    h_f32 = FP32_SCALE_LOG2
+    if lamax > 0 and math.isfinite(lamax):
+        h_f32 = min(h_f32, math.floor(math.log2(FP32_MAX / lamax)))
+    fp16_loss = loss is not None and loss.fp16
+    h32 = min(h_grad, h_f32)  # with a float32 loss
+    h = min(h32, FP16_LOSS_SCALE_LOG2) if fp16_loss else h32
+
+    owner = ", a parameter's" if of_param else ""
+    big = f"the largest gradient ({amax:.3g}{owner})"
+
+    def why(at: int) -> str:
+        if at == h_grad:
+            return f"the largest that keeps {big} below fp16's max 65504"
+        if at == h_f32:
+            return f"the largest that keeps the scaled loss ({lamax:.3g}) within float32's range"
+        return "the most an fp16 loss takes (its own gradient is the scale, fp16's max 65504)"
+
+    need = f"{_pct(under)} of gradients underflow unscaled"
+    least = f"2^{k} is the least that keeps the smallest ({mn:.3g}) from rounding to zero"
+    caveat = ""
+    if not fp16_loss and h > FP16_LOSS_SCALE_LOG2:
+        caveat = (
+            ", with the loss in float32 as autocast's loss ops give it (an fp16 loss's own "
+            f"gradient is the scale: 2^{FP16_LOSS_SCALE_LOG2} at most)"
+        )
+    if k <= h:
+        use = f"use 2^{h}, {why(h)}, {least}"
+        return f"fp16 needs a loss scale from 2^{k} to 2^{h} ({need}): {use}{caveat}"
+    if fp16_loss and k <= h32:
+        return (
+            f"fp16 gradients need a loss scale of 2^{k} or more ({need}), beyond the "
+            f"2^{FP16_LOSS_SCALE_LOG2} an fp16 loss takes (its own gradient is the scale, and "
+            "fp16's max is 65504): compute the loss in float32 (loss.float() before its final "
+            f"sum or mean) and use 2^{h32}, {why(h32)}, {least}"
+        )
+    limits = []
+    if h_grad < k:
+        limits.append(f"above 2^{h_grad} {big} passes fp16's max 65504")
+    if h_f32 < k:
+        limits.append(f"above 2^{h_f32} the scaled loss ({lamax:.3g}) leaves float32's range")
+    if fp16_loss:
+        limits.append(
+            f"an fp16 loss takes 2^{FP16_LOSS_SCALE_LOG2} at most (its own gradient is the scale)"
+        )
+    left = _underflow_at(st, h) if st is not None else under
+    if left <= 1e-3:  # the smallest few flush at the best scale: as harmless as "fp16 safe"
+        return (
+            f"fp16 needs a loss scale of 2^{h} ({need}): use 2^{h}, {why(h)}, where "
+            f"{_pct(left)} still underflow (the smallest, {mn:.3g}, needs 2^{k}){caveat}"
+        )
+    return (
+        f"fp16 gradients span more than its range ({need}): {least}, but "
+        + ", and ".join(limits)
+        + f"; at 2^{h}, {_pct(left)} still underflow: keep bf16"
+    )
+
+
+def _recommend(
+    results: dict[str, dict[str, Any]],
+    recipes: Sequence[str],
+    grad_stats: TensorStats | None = None,
+    loss: _LossSeen | None = None,
+) -> list[str]:
     recs: list[str] = []
     kinds = [k for k in KINDS if k in results]
     bad = [f"{k} ({results[k]['nonfinite']} of {results[k]['numel']})" for k in kinds
@@ -228,37 +353,12 @@ def _recommend(results: dict[str, dict[str, Any]], recipes: Sequence[str]) -> li
         )
         recs.append("bf16 safe" if worst < 1e-3 else f"bf16 loses {_pct(worst)} of values")
     if "format:fp16" in fmt_keys:
-        f16 = get("fp16")
         over = max(results[k]["format:fp16"]["overflow"] for k in kinds)
         if over > 0:
             where = ", ".join(k for k in kinds if results[k]["format:fp16"]["overflow"] > 0)
             recs.append(f"fp16 overflows ({_pct(over)} of values, in the {where}): keep bf16")
         elif "gradient" in results:
-            g = results["gradient"]
-            mn, amax = g["min_nonzero"], g["amax"]
-            under = g["format:fp16"]["underflow"]
-            if under > 1e-3 and math.isfinite(mn) and mn > 0:
-                k = max(0, math.ceil(math.log2(f16.smallest_subnormal / mn)))
-                headroom = math.floor(math.log2(f16.max / amax)) if amax > 0 else 24
-                # The scale itself must be an fp16 value: a loss computed in fp16 seeds
-                # its backward with the scale (inf above 65504), so 2^15 is the most.
-                own = math.floor(math.log2(f16.max))
-                if k > own and k <= headroom:
-                    recs.append(
-                        f"fp16 gradients need a loss scale of 2^{k}, beyond fp16's own range "
-                        f"(2^{own} is the largest it holds; {_pct(under)} underflow): keep bf16"
-                    )
-                elif k <= headroom:
-                    recs.append(
-                        f"fp16 needs a loss scale >= 2^{k} ({_pct(under)} of gradients underflow)"
-                    )
-                else:
-                    recs.append(
-                        f"fp16 gradients span more than its range ({_pct(under)} underflow "
-                        "at any safe scale): keep bf16"
-                    )
-            else:
-                recs.append("fp16 safe")
+            recs.append(_fp16_loss_scale(results["gradient"], grad_stats, loss))
         else:
             recs.append("fp16 safe")
     tw = [r for r in recipes if "tensor" in r]
@@ -353,13 +453,34 @@ def audit(
 
         return hook
 
+    # The largest gradient of each layer's parameters, per backward (a parameter hook
+    # sees each backward's gradient before it accumulates): under autocast the weight
+    # gradient is an fp16 GEMM output too, summed over the batch, and bounds the scale
+    # as the output gradient does.
+    param_grad: dict[str, float] = {}
+
+    def param_hook(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(g: torch.Tensor) -> None:
+            v = values_of(g)
+            a = float(v.abs().max()) if v.numel() else 0.0  # a host read (audit reads anyway)
+            if math.isfinite(a) and a > param_grad.get(name, 0.0):
+                param_grad[name] = a
+
+        return hook
+
     gemm, batches = _first_batch_coverage(model, batches, loss_fn, emulation)
     for name, m in targets:
         handles.append(m.register_forward_hook(forward_hook(name)))
+        for p in m.parameters(recurse=False):
+            if p.requires_grad:
+                handles.append(p.register_hook(param_hook(name)))
     model.zero_grad(set_to_none=True)
+    loss_fp16, loss_amax = False, 0.0
     try:
         for batch in batches:
             loss = _batch_loss(loss_fn, model, batch)
+            loss_fp16 |= loss.dtype == torch.float16
+            loss_amax = max(loss_amax, float(loss.detach().abs().max()))  # a host read
             loss.backward()  # type: ignore[no-untyped-call]
     finally:
         for h in handles:
@@ -370,7 +491,11 @@ def audit(
         if name not in accs:
             continue
         results = {k: _summarize(a) for k, a in accs[name].items() if a.stats is not None}
-        layers.append(LayerAudit(name, results, _recommend(results, list(recs))))
+        if "gradient" in results:
+            results["gradient"]["param_grad_amax"] = param_grad.get(name, 0.0)
+        seen = _LossSeen(loss_fp16, loss_amax)
+        rec = _recommend(results, list(recs), accs[name]["gradient"].stats, seen)
+        layers.append(LayerAudit(name, results, rec))
     return AuditReport(layers, fmts, tuple(recs), gemm)
 
 
