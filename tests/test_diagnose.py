@@ -117,7 +117,9 @@ def test_transient_faults_cluster_and_loss_spikes() -> None:
     evs = [*steps([1.0] * 20), fault(3, deterministic=False), fault(8, deterministic=False)]
     assert "transients" in rules(evs)
     spikes = [*steps([1.0] * 20), ev("spike", 7, signal="loss", value=50.0)]
-    assert rules(spikes) == ["loss_spikes"]
+    assert rules(spikes) == ["bad_batch"]  # one spike, the loss back, none after it
+    burst = [*steps([1.0] * 20), *(ev("spike", s, signal="loss", value=50.0) for s in (7, 8, 9))]
+    assert rules(burst) == ["loss_spikes"]
 
 
 def test_findings_are_ranked_most_severe_first() -> None:
@@ -286,7 +288,11 @@ def test_spikes_told_apart_by_their_replay() -> None:
     gone = diagnose([*steps([1.0] * 30), spike(10, False), spike(20, False)])
     assert [f.rule for f in gone] == ["transient_spikes"]
     again = diagnose([*steps([1.0] * 30), spike(10, True)])
-    assert [f.rule for f in again] == ["loss_spikes"] and "spiked again" in again[0].cause
+    assert [f.rule for f in again] == ["bad_batch"]
+    assert "the replay with the same batch and weights spiked again" in again[0].cause
+    twice = diagnose([*steps([1.0] * 30), spike(10, True), spike(11, True)])
+    assert [f.rule for f in twice] == ["loss_spikes"]
+    assert "spikes on 2 batches in a row" in twice[0].cause
 
 
 def test_a_huge_loss_window_is_diagnosed_without_overflow() -> None:

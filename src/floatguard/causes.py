@@ -15,6 +15,7 @@ Cause = Literal[
     "nonfinite_input",
     "nonfinite_param",
     "nonfinite_optimizer_state",
+    "nonfinite_buffer",
     "optimizer_update",
     "overflow",
     "nonfinite_loss",
@@ -42,6 +43,9 @@ _TEXT: dict[str, str] = {
         "before the step"
     ),
     "nonfinite_optimizer_state": "an optimizer state tensor (a moment) was non-finite",
+    "nonfinite_buffer": (
+        "a floating-point buffer (BatchNorm's running statistics, say) held a NaN or inf"
+    ),
     "optimizer_update": (
         "the last optimizer update turned finite parameters and gradients into a "
         "non-finite parameter"

@@ -28,7 +28,7 @@ from floatguard.causes import describe
 from floatguard.events import Event
 from floatguard.runlog import RunLog, Steps, global_view
 
-__all__ = ["Finding", "RunInfo", "diagnose", "run_info"]
+__all__ = ["RULE_IDS", "Finding", "RunInfo", "diagnose", "run_info"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class RunInfo:
     param_dtypes: tuple[str, ...]
     clip_kind: str | None = None  # "zclip", "norm", "value", "none"; None: not in the log
     clip_cap: float | None = None  # the absolute cap on the gradient norm (None: none, or unknown)
+    # what the steps' grad_norm is: "before_clip" (the guard's own, before it clips),
+    # "after_clip" (HF's Trainer clipped first); None: not in the log
+    norm_measured: str | None = None
 
     @property
     def weights_16bit(self) -> str | None:
@@ -102,7 +105,11 @@ def run_info(events: Iterable[Event]) -> RunInfo:
         clip: dict[str, Any] = r["clip"] if isinstance(r.get("clip"), dict) else {}
         kind = clip.get("kind") if isinstance(clip.get("kind"), str) else None
         cap = float(clip["max_norm"]) if _finite(clip.get("max_norm")) else None
-        return RunInfo(precision, scaling, dtypes, kind, cap if cap and cap > 0 else None)
+        measured = clip.get("norm_measured")
+        return RunInfo(
+            precision, scaling, dtypes, kind, cap if cap and cap > 0 else None,
+            measured if measured in ("before_clip", "after_clip") else None,
+        )  # fmt: skip
     scaled = any(_finite(v) and v > 1.0 for v in log.steps.column("scale"))
     return RunInfo(None, True if scaled else None, ())
 
@@ -124,13 +131,203 @@ def clipped_steps(steps: Steps, info: RunInfo) -> tuple[list[int], list[int]]:
     return by_cap, by_z
 
 
+# ---------------------------------------------------------------- levels and changes
+# "Back to its level": the median loss of up to LEVEL_STEPS applied steps after an
+# incident is at most LEVEL_BAND (25%) above the median of up to LEVEL_STEPS applied
+# steps before it (for a loss near 0, within 1e-6); fewer than LEVEL_MIN applied steps on
+# a side: unknown. The report's verdict and the spike rules use it (docs/report.md).
+LEVEL_STEPS = 20
+LEVEL_MIN = 3
+LEVEL_BAND = 0.25
+_LEVEL_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class Level:
+    """The loss around an incident at step ``at``: ``before`` (the median of the applied
+    steps before it) and ``after`` (the median of the applied steps after it: the last
+    ones of the run, or the next ones); None where fewer than LEVEL_MIN steps exist."""
+
+    at: int
+    before: float | None
+    after: float | None
+    n_before: int
+    n_after: int
+
+    @property
+    def back(self) -> bool | None:
+        """Whether ``after`` is within the band of ``before`` (None: unknown)."""
+        if self.before is None or self.after is None:
+            return None
+        return self.after - self.before <= LEVEL_BAND * max(abs(self.before), _LEVEL_FLOOR)
+
+    def times(self) -> str:
+        """``after`` against ``before`` in words: "4.1x", or "3.2 vs 1.1" when a ratio
+        means nothing (a loss at or below 0)."""
+        assert self.before is not None and self.after is not None
+        if self.before > 0 and self.after > 0:
+            return _times(self.after / self.before)
+        return f"{self.after:.3g} vs {self.before:.3g}"
+
+
+def _times(r: float) -> str:
+    return f"{r:.2g}x" if r < 10 else f"{r:.0f}x"
+
+
+def applied_losses(steps: Steps) -> list[tuple[int, float]]:
+    """(step, loss) of the applied steps whose loss is finite, in log order."""
+    return [
+        (s, float(v)) for s, a, v in zip(steps.step, steps.column("action"),
+                                          steps.column("loss"), strict=True)
+        if a == "applied" and _finite(v)
+    ]  # fmt: skip
+
+
+def loss_level(
+    points: Sequence[tuple[int, float]],
+    at: int,
+    *,
+    upto: int | None = None,
+    n: int = LEVEL_STEPS,
+) -> Level:
+    """The :class:`Level` around step ``at`` from ``points`` (:func:`applied_losses`):
+    ``before`` from the ``n`` applied steps before ``at``; ``after`` from the last ``n``
+    applied steps after it, or with ``upto`` the first ``n`` after ``upto``."""
+    before = [v for s, v in points if s < at][-n:]
+    if upto is None:
+        after = [v for s, v in points if s > at][-n:]
+    else:
+        after = [v for s, v in points if s > upto][:n]
+
+    def median(vs: list[float]) -> float | None:
+        return statistics.median(vs) if len(vs) >= LEVEL_MIN else None
+
+    return Level(at, median(before), median(after), len(before), len(after))
+
+
+def schedule_lrs(steps: Steps) -> list[float | None]:
+    """Each step's LR as the schedule set it: ``lr`` with the guard's ``lr_factor`` taken
+    out (a back-off is the guard's answer, not a change the run made); None: not logged."""
+    out: list[float | None] = []
+    for lr, factor in zip(steps.column("lr"), steps.column("lr_factor"), strict=True):
+        if not _finite(lr):
+            out.append(None)
+        elif _finite(factor) and factor > 0:
+            out.append(lr / factor)
+        else:
+            out.append(lr)
+    return out
+
+
+_LR_JUMP = 1.5  # an LR that moved by this factor or more, either way, changed
+
+
+@dataclass(frozen=True)
+class LrChange:
+    """A jump of the schedule's LR at ``step`` (from ``before`` to ``after``), and whether
+    it lasted (the LR's median from there to the end stayed past the jump's factor)."""
+
+    step: int
+    before: float
+    after: float
+    lasted: bool
+
+    def says(self) -> str:
+        ratio = self.after / self.before
+        way = f"rose {_times(ratio)}" if ratio > 1 else f"fell {_times(1 / ratio)}"
+        kept = "and stayed there" if self.lasted else "for that step only"
+        return f"the LR {way} at step {self.step} ({self.before:.3g} to {self.after:.3g}) {kept}"
+
+
+def lr_change(steps: Steps, near: int, look_back: int = 50) -> LrChange | None:
+    """The last jump of the schedule's LR (:func:`schedule_lrs`) at or up to
+    ``look_back`` steps before step ``near``; None when the LR is not in the log or did
+    not jump."""
+    lrs = schedule_lrs(steps)
+    idx = [j for j, s in enumerate(steps.step) if near - look_back <= s <= near]
+    for j in reversed(idx):
+        k = j - 1
+        while k >= 0 and lrs[k] is None:
+            k -= 1
+        a, b = (lrs[k] if k >= 0 else None), lrs[j]
+        if a is None or b is None or a <= 0 or b <= 0:
+            continue
+        if b / a >= _LR_JUMP or a / b >= _LR_JUMP:
+            later = [v for v in lrs[j:] if v is not None]
+            typical = statistics.median(later)
+            lasted = typical / a >= _LR_JUMP if b > a else a / typical >= _LR_JUMP
+            return LrChange(steps.step[j], a, b, lasted)
+    return None
+
+
+def window_lr(steps: Steps, start: int, end: int) -> float | None:
+    """The schedule's median LR over steps ``start..end`` (None: not logged)."""
+    lrs = [v for s, v in zip(steps.step, schedule_lrs(steps), strict=True)
+           if start <= s <= end and v is not None]  # fmt: skip
+    return statistics.median(lrs) if lrs else None
+
+
+def batch_words(batch: object) -> str | None:
+    """A batch's identity from a ``fault``/``spike`` event's ``batch`` field, in words
+    ("position 50, fingerprint 3f9a0c..."); None when the event has none."""
+    if not isinstance(batch, dict):
+        return None
+    parts = []
+    pos, fp, micro = batch.get("position"), batch.get("fingerprint"), batch.get("micro_batches")
+    if type(pos) is int:
+        parts.append(f"position {pos}")
+    if isinstance(fp, str) and fp:
+        parts.append(f"fingerprint {fp[:16]}")
+    if type(micro) is int and micro > 1:
+        parts.append(f"{micro} micro-batches")
+    return ", ".join(parts) or None
+
+
+def _fingerprint(e: Event) -> str | None:
+    b = e.fields.get("batch")
+    fp = b.get("fingerprint") if isinstance(b, dict) else None
+    return fp if isinstance(fp, str) and fp else None
+
+
+def warnings_of(events: RunLog, *codes: str) -> list[Event]:
+    """The ``warning`` events with one of ``codes``."""
+    return [e for e in events.of_kind("warning") if e.fields.get("code") in codes]
+
+
+def _evidence(e: Event) -> dict[str, Any]:
+    ev = e.fields.get("evidence")
+    return ev if isinstance(ev, dict) else {}
+
+
+def _num(v: object) -> float | None:
+    return float(v) if _finite(v) else None  # type: ignore[arg-type]
+
+
+def _pair(v: object) -> tuple[float, float] | None:
+    """A ``[before, after]`` pair of finite numbers, or None."""
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(_finite(x) for x in v):
+        return float(v[0]), float(v[1])
+    return None
+
+
 Rule = Callable[[RunLog], list[Finding]]
 _RULES: list[Rule] = []
+# Each rule's finding ids (a rule may tell several situations apart, each its own id);
+# docs/report.md's table lists exactly these (tests/test_diagnose.py checks it).
+RULE_IDS: dict[str, tuple[str, ...]] = {}
+# Findings diagnose() itself adds: a rule that raised, events it could not read.
+OWN_IDS = ("rule_failed", "unreadable_events")
 
 
-def _rule(fn: Rule) -> Rule:
-    _RULES.append(fn)
-    return fn
+def _rule(*ids: str) -> Callable[[Rule], Rule]:
+    """Register a rule with the finding ids it may return."""
+
+    def register(fn: Rule) -> Rule:
+        _RULES.append(fn)
+        RULE_IDS[fn.__name__] = ids
+        return fn
+
+    return register
 
 
 def _where(e: Event) -> str:
@@ -141,7 +338,7 @@ def _name(e: Event) -> str:
     return f"{_where(e)}.{e['tensor'] or '?'}"
 
 
-@_rule
+@_rule("bad_input", "repeated_bad_input")
 def bad_input(events: RunLog) -> list[Finding]:
     hits = [e for e in events.of_kind("fault") if e["phase"] == "input"]
     if not hits:
@@ -204,14 +401,24 @@ def _repeated_input(events: RunLog, hits: list[Event], stopped: bool) -> Finding
 
 def _param_kind(e: Event) -> str:
     """What a parameter-phase fault says happened: "state" (an optimizer state tensor),
-    "update" (the optimizer update made it), "magnitude" (a finite weight jumped
-    absurdly) or "weight" (a weight already bad)."""
-    cause = e.fields.get("cause")
-    if cause == "nonfinite_optimizer_state" or str(e["tensor"]).startswith("optimizer:"):
+    "buffer" (a floating buffer, BatchNorm's running statistics, say), "update" (the
+    optimizer update made it: verified, op "optimizer.step"), "update_or_outside" (bad
+    since the last check: the update or a write outside it; also an older log's
+    unverified ``optimizer_update``), "outside" (verified: written outside the update),
+    "magnitude" (a finite weight jumped absurdly) or "weight" (a weight already bad)."""
+    cause, op = e.fields.get("cause"), e.fields.get("op")
+    tensor = str(e.fields.get("tensor") or "")
+    if cause == "nonfinite_optimizer_state" or tensor.startswith("optimizer:"):
         return "state"
-    if cause == "optimizer_update" or e.fields.get("op") == "optimizer.step":
+    if cause == "nonfinite_buffer" or tensor.startswith("buffer:"):
+        return "buffer"
+    if op == "optimizer.step":
         return "update"
-    if e.fields.get("op") == "magnitude":
+    if op == "update_or_outside" or (op is None and cause == "optimizer_update"):
+        return "update_or_outside"
+    if op == "outside":
+        return "outside"
+    if op == "magnitude":
         return "magnitude"
     return "weight"
 
@@ -229,34 +436,15 @@ def _param_faults(events: RunLog, *kinds: str) -> list[Event]:
     return [e for e in events.of_kind("fault") if e["phase"] == "param" and _param_kind(e) in kinds]
 
 
-@_rule
+@_rule("optimizer_update")
 def optimizer_update(events: RunLog) -> list[Finding]:
+    """A weight the guard verified good before the update and bad right after it."""
     hits = _param_faults(events, "update")
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
     names = sorted({_name(e) for e in hits})
-    info = run_info(events)
-    low = info.weights_16bit
-    if low is not None:
-        cause = (
-            f"the weights are {low} with no fp32 master copy ({info.says()}), so the "
-            f"update is computed and rounded in {low}: AdamW's eps (1e-8) is 0 in fp16, "
-            "so a second moment that underflowed to 0 gives 0/0, and an update past the "
-            "format's range is inf"
-        )
-        fix = ("keep fp32 master weights (floatguard.MasterWeights, or keep the model in "
-               "fp32 and train under autocast instead of model.half()); use an eps the "
-               "dtype can hold (>= 1e-4 in fp16); lower the LR")  # fmt: skip
-    else:
-        cause = (
-            "the update itself overflowed or divided by zero with fp32 weights ("
-            + info.says()
-            + "): a learning rate far too high for this phase, an optimizer "
-            "hyper-parameter out of range (eps=0, a beta of 1), or a custom optimizer's bug"
-        )
-        fix = ("lower the LR (or lengthen warmup) and check the optimizer's arguments; keep "
-               "gradient clipping on")  # fmt: skip
+    cause, fix = _update_advice(run_info(events))
     return [Finding(
         rule="optimizer_update", title="The optimizer update made a weight non-finite",
         evidence=(f"{', '.join(names)} finite with finite gradients before the update of "
@@ -266,7 +454,84 @@ def optimizer_update(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+def _update_advice(info: RunInfo) -> tuple[str, str]:
+    """Why an optimizer update can make a weight non-finite, and what to do, for this
+    run's weights (16-bit without a master copy, or fp32)."""
+    low = info.weights_16bit
+    if low is not None:
+        return (
+            f"the weights are {low} with no fp32 master copy ({info.says()}), so the update "
+            f"is computed and rounded in {low}: AdamW's eps (1e-8) is 0 in fp16, so a second "
+            "moment that underflowed to 0 gives 0/0, and an update past the format's range "
+            "is inf",
+            "keep fp32 master weights (floatguard.MasterWeights, or keep the model in fp32 and "
+            "train under autocast instead of model.half()); use an eps the dtype can hold "
+            "(>= 1e-4 in fp16); lower the LR",
+        )
+    return (
+        "the update overflowed or divided by zero with fp32 weights (" + info.says() + "): a "
+        "learning rate far too high for this phase, an optimizer hyper-parameter out of range "
+        "(eps=0, a beta of 1), or a custom optimizer's bug",
+        "lower the LR (or lengthen warmup) and check the optimizer's arguments; keep gradient "
+        "clipping on",
+    )
+
+
+_OUTSIDE_CAUSE = (
+    "a write to the weights between steps, outside the optimizer: an embedding resized with "
+    "uninitialized rows (resize_token_embeddings), a callback or hook that edits weights, a "
+    "checkpoint or state_dict load, an in-place init or weight tying done mid-run"
+)
+_OUTSIDE_FIX = (
+    "find that write (what runs between optimizer.step() and the next forward: callbacks, "
+    "hooks, load_state_dict, resizing) and make it write finite values"
+)
+
+
+@_rule("update_or_outside")
+def update_or_outside(events: RunLog) -> list[Finding]:
+    """A weight found non-finite at a check, good at the check before: the update made it
+    or something wrote it between steps; the guard did not see which, so both."""
+    hits = _param_faults(events, "update_or_outside")
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    names = sorted({_name(e) for e in hits})
+    source = hits[0]["source"]
+    since = source if isinstance(source, str) and source else "non-finite since the last check"
+    update_cause, update_fix = _update_advice(run_info(events))
+    return [Finding(
+        "update_or_outside",
+        "A weight went non-finite between two checks: the update, or a write outside it",
+        f"{', '.join(names)}: {since} (found at step(s) {_list(steps)}){_on_ranks(hits)}; "
+        "the guard did not see whether the optimizer update or a write outside it made it",
+        f"either the update: {update_cause}; or {_OUTSIDE_CAUSE}",
+        f"if the update: {update_fix}; if a write outside it: {_OUTSIDE_FIX}; the guard "
+        "rolled back to the last snapshot vetted finite",
+        3, steps,
+    )]  # fmt: skip
+
+
+@_rule("outside_write")
+def outside_write(events: RunLog) -> list[Finding]:
+    """A weight the guard saw good after the update and bad before the next step."""
+    hits = _param_faults(events, "outside")
+    if not hits:
+        return []
+    steps = tuple(e.step for e in hits)
+    names = sorted({_name(e) for e in hits})
+    return [Finding(
+        "outside_write", "A weight was written outside the optimizer update",
+        f"{', '.join(names)} finite right after the update, non-finite before the next step "
+        f"(step(s) {_list(steps)}){_on_ranks(hits)}",
+        f"not the update and not the learning rate: {_OUTSIDE_CAUSE}",
+        f"{_OUTSIDE_FIX}; do not lower the LR for it; the guard rolled back to the last "
+        "snapshot vetted finite",
+        3, steps,
+    )]  # fmt: skip
+
+
+@_rule("bad_optimizer_state")
 def bad_optimizer_state(events: RunLog) -> list[Finding]:
     hits = _param_faults(events, "state")
     if not hits:
@@ -304,7 +569,7 @@ def bad_optimizer_state(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("bad_parameter")
 def bad_parameter(events: RunLog) -> list[Finding]:
     hits = _param_faults(events, "weight", "magnitude")
     if not hits:
@@ -344,7 +609,7 @@ def bad_parameter(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("masked_softmax")
 def masked_softmax(events: RunLog) -> list[Finding]:
     hits = [
         e for e in events.of_kind("fault")
@@ -365,7 +630,7 @@ def masked_softmax(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("exp_overflow")
 def exp_overflow(events: RunLog) -> list[Finding]:
     hits = [e for e in events.of_kind("fault") if (e["op"] or "").startswith("aten.exp")]
     if not hits:
@@ -394,7 +659,7 @@ def _is_norm(e: Event) -> bool:
     return ("layer_norm" in op or "rms_norm" in op) or (named and any(k in op for k in _NORM_OPS))
 
 
-@_rule
+@_rule("norm_eps", "norm_input_out_of_range")
 def norm_eps(events: RunLog) -> list[Finding]:
     """A normalization's fault: a vanishing variance (tiny eps) or an input that was
     already out of range (its square overflows); the fault's ``input_amax`` tells
@@ -441,7 +706,7 @@ def norm_eps(events: RunLog) -> list[Finding]:
     return out
 
 
-@_rule
+@_rule("repeated_module")
 def repeated_module(events: RunLog) -> list[Finding]:
     by = Counter((e["module"], e["phase"], e["op"]) for e in events.of_kind("fault")
                  if e["phase"] not in ("input", "param"))  # fmt: skip
@@ -463,7 +728,7 @@ def repeated_module(events: RunLog) -> list[Finding]:
     return out
 
 
-@_rule
+@_rule("scale_collapse", "fp16_overflow")
 def scale_collapse(events: RunLog) -> list[Finding]:
     over = list(events.of_kind("overflow"))
     if not over:
@@ -497,45 +762,266 @@ def scale_collapse(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
-def loss_spikes(events: RunLog) -> list[Finding]:
-    """Spikes, told apart by their replay (the guard replays a spike's step when it
-    can): one that spikes again is in the batch or the weights; one that does not is a
-    transient of the computation; without a replay, the common causes."""
-    spikes = list(events.of_kind("spike"))
-    if not spikes:
-        return []
-    again = [e for e in spikes if e["reproduced"] is True]
-    gone = [e for e in spikes if e["reproduced"] is False]
-    unknown = [e for e in spikes if e["reproduced"] is None]
-    rolled = [e for e in events.of_kind("rollback") if e["cause"] is None]
+# ------------------------------------------------------ spikes: a batch or the training
+# Spikes (not the transients a replay cleared) fewer than _EPISODE_GAP steps apart are one
+# episode. An episode is *isolated* when it is one spike, at least _SETTLE_MIN applied
+# steps follow it and the loss over the next _SETTLE of them is back within the band
+# (Level.back) of the LEVEL_STEPS before it: one batch (bad_batch). The spikes are
+# *sustained* from the first episode that is not isolated when, from there on, there
+# are at least _SUSTAINED spikes and the LR rose there and stayed up (lr_change), or the
+# loss ended above the band of its level before, or a trend warning came (a training that
+# became unstable: sustained_instability). The rest are bursts (loss_spikes): several
+# spikes, then none, the loss back, nothing that lasted.
+_EPISODE_GAP = 20
+_SETTLE = 10
+_SETTLE_MIN = 5
+_SUSTAINED = 3
+
+
+@dataclass(frozen=True)
+class Episode:
+    """Spikes close together: ``kind`` "isolated", "burst" or "sustained" (see above);
+    ``level``: the loss before the first spike and after the last (the next _SETTLE
+    applied steps; for a sustained episode, the run's last LEVEL_STEPS)."""
+
+    kind: str
+    spikes: tuple[Event, ...]
+    level: Level
+    change: LrChange | None
+
+
+def spike_episodes(log: RunLog) -> list[Episode]:
+    """The spikes a replay did not clear, as :class:`Episode` (in step order)."""
+    spikes = sorted((e for e in log.of_kind("spike") if e["reproduced"] is not False),
+                    key=lambda e: e.step)  # fmt: skip
+    groups: list[list[Event]] = []
+    for e in spikes:
+        if groups and e.step - groups[-1][-1].step < _EPISODE_GAP:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    points = applied_losses(log.steps)
+    local = [loss_level(points, g[0].step, upto=g[-1].step, n=_SETTLE) for g in groups]
+    alone = [
+        len(g) == 1 and lv.back is True and lv.n_after >= _SETTLE_MIN
+        for g, lv in zip(groups, local, strict=True)
+    ]
+    trends = [w.step for w in warnings_of(log, "loss_trend", "grad_norm_trend")]
+    start = len(groups)  # the first sustained episode (none)
+    for i, g in enumerate(groups):
+        if alone[i] or sum(len(x) for x in groups[i:]) < _SUSTAINED:
+            continue
+        first = g[0].step
+        change = lr_change(log.steps, first)
+        rose = change is not None and change.lasted and change.after > change.before
+        ended_high = loss_level(points, first).back is False
+        if rose or ended_high or any(t >= first - _EPISODE_GAP for t in trends):
+            start = i
+            break
     out = []
-    if again or unknown:
-        hits = again + unknown
-        steps = tuple(sorted(e.step for e in hits))
-        signals = sorted({str(e["signal"] or "loss") for e in hits})
-        told = (
-            f"; {len(again)} reproduced when the step was replayed" if again else
-            "; not replayed (no closure, or under torch.distributed)"
-        )  # fmt: skip
+    for i, g in enumerate(groups):
+        first = g[0].step
+        if i >= start:
+            level, kind = loss_level(points, groups[start][0].step), "sustained"
+        else:
+            level, kind = local[i], "isolated" if alone[i] else "burst"
+        out.append(Episode(kind, tuple(g), level, lr_change(log.steps, first)))
+    return out
+
+
+def _spike_words(e: Event, level: Level) -> str:
+    """One spike: its step, value against the level before it, and its batch."""
+    value = _num(e["value"])
+    text = f"step {e.step}: {e['signal'] or 'loss'}"
+    if value is not None:
+        text += f" {value:.3g}"
+        if level.before is not None and level.before > 0 and value > 0:
+            text += f" ({_times(value / level.before)} its level)"
+    b = batch_words(e["batch"])
+    return text + (f", batch {b}" if b else ", batch identity not logged")
+
+
+def _action_at(log: RunLog, step: int) -> str | None:
+    for s, a in zip(log.steps.step, log.steps.column("action"), strict=True):
+        if s == step:
+            return str(a) if a is not None else None
+    return None
+
+
+def _not_applied_words(log: RunLog, since: int) -> str:
+    """How many steps from ``since`` on were not applied, by reason."""
+    by = Counter(
+        str(r or "unknown") for s, a, r in zip(log.steps.step, log.steps.column("action"),
+                                               log.steps.reason, strict=True)
+        if s >= since and a in ("skipped", "rolled_back")
+    )  # fmt: skip
+    if not by:
+        return "every step applied"
+    parts = ", ".join(f"{REASON_WORDS.get(r, r)}: {n}" for r, n in by.most_common())
+    return f"{sum(by.values())} steps not applied ({parts})"
+
+
+# A step's reason in a few words, for counts ("loss spikes: 5").
+REASON_WORDS: dict[str, str] = {
+    "loss_spike": "loss spikes", "grad_norm_spike": "gradient-norm spikes",
+    "after_rollback": "after rollback", "overflow": "fp16 overflows",
+    "nonfinite_input": "non-finite batches", "nonfinite_loss": "non-finite loss",
+    "nonfinite_grad": "non-finite gradients", "transient": "transients",
+    "nonfinite_param": "bad weights", "optimizer_update": "bad updates",
+    "nonfinite_optimizer_state": "bad optimizer state", "nonfinite_buffer": "bad buffers",
+    "unknown": "reason not logged",
+}  # fmt: skip
+
+
+def _bad_batches(log: RunLog, episodes: list[Episode]) -> Finding:
+    spikes = [ep.spikes[0] for ep in episodes]
+    steps = tuple(e.step for e in spikes)
+    lines = "; ".join(_spike_words(ep.spikes[0], ep.level) for ep in episodes[:5])
+    more = f"; {len(episodes) - 5} more" if len(episodes) > 5 else ""
+    fps = Counter(fp for e in spikes if (fp := _fingerprint(e)) is not None)
+    again = [fp for fp, n in fps.items() if n > 1]
+    repeat = (
+        f"; the same batch (fingerprint {again[0][:16]}) spiked at steps "
+        f"{_list(e.step for e in spikes if _fingerprint(e) == again[0])}: it comes back, "
+        "each epoch say"
+        if again else ""
+    )  # fmt: skip
+    replayed = any(e["reproduced"] is True for e in spikes)
+    actions = Counter(_action_at(log, s) for s in steps)
+    done = {"skipped": "skipped", "rolled_back": "rolled back", "applied": "applied"}
+    did = ", ".join(f"{done.get(str(a), 'did not log')} {n}" for a, n in actions.items())
+    return Finding(
+        "bad_batch",
+        "A bad batch (a spike that did not recur)" if len(episodes) == 1
+        else f"{len(episodes)} bad batches (spikes that did not recur)",
+        f"{lines}{more}; after each, no spike in the next {_EPISODE_GAP} steps and the loss "
+        f"back within {LEVEL_BAND:.0%} of its level before it{repeat}",
+        "one batch, not the training: a corrupted or mislabelled batch (shuffled labels, "
+        "inputs off by a factor, a bad shard or file) or a genuine outlier; the training "
+        "itself is stable (the loss came back, no spike followed)"
+        + ("; the replay with the same batch and weights spiked again" if replayed else ""),
+        "find the batch in your data pipeline by its position (the guard step it was given "
+        "to) and fingerprint (sha256 of the inputs' contents: hash the same tensors to match "
+        "it), then fix or filter it; the LR and the model need no change; the guard's "
+        f"steps there: {did}",
+        2 if len(episodes) > 1 or again else 1, steps,
+    )  # fmt: skip
+
+
+def _sustained(log: RunLog, episodes: list[Episode]) -> Finding:
+    spikes = [e for ep in episodes for e in ep.spikes]
+    first = spikes[0].step
+    level = episodes[0].level
+    change = lr_change(log.steps, first)
+    rose = change is not None and change.lasted and change.after > change.before
+    fps = {fp for e in spikes if (fp := _fingerprint(e)) is not None}
+    named = [b for e in spikes[:3] if (b := batch_words(e["batch"]))]
+    backoffs = [e for e in log.of_kind("lr_backoff") if e.step >= first]
+    factor = _num(backoffs[-1]["factor"]) if backoffs else None
+    rollbacks = [e for e in log.of_kind("rollback") if e.step >= first]
+    trends = warnings_of(log, "loss_trend", "grad_norm_trend")
+    evidence = (
+        f"{len(spikes)} spikes from step {first} on (steps {_list(e.step for e in spikes)})"
+        + (f", on {len(fps)} different batches" if len(fps) > 1 else "")
+        + f"; {_not_applied_words(log, first)}"
+        + (f"; {len(rollbacks)} rollback(s)" if rollbacks else "")
+        + (f"; LR back-offs to a factor {factor:g}" if factor is not None else "")
+        + (f"; {change.says()}" if change is not None else "; no LR change in the log"
+           if log.steps.column("lr").count(None) < len(log.steps) else "")
+        + (f"; the loss ended {level.times()} its level before step {first}"
+           if level.back is False else "")
+        + ("; a rising trend was warned about too" if trends else "")
+        + (f"; batches: {'; '.join(named)}" if named else "")
+    )  # fmt: skip
+    if rose:
+        assert change is not None
+        cause = (
+            f"a change, not a batch: {change.says()}; from then on the updates are too large "
+            "for the curvature, so the loss spikes on whichever batch comes"
+        )
+        fix = (
+            f"undo or shrink the LR change at step {change.step} (check the schedule: a warmup "
+            "that overshoots, a restart, a multiplier, a manual change)"
+        )
+    else:
+        cause = (
+            "not one batch: the spikes keep coming on different batches, so the training "
+            "itself became unstable: an LR too high for this phase (the curvature sharpens "
+            "as training goes on), too short a warmup, or a stretch of bad data (when the "
+            "batches named come from one source)"
+        )
+        fix = "lower the peak LR (or lengthen warmup) and keep gradient clipping on"
+    fix += "; the guard's rollbacks and LR back-offs only postpone it" + (
+        f" (its LR factor is {factor:g})" if factor is not None else ""
+    )
+    return Finding(
+        "sustained_instability", f"Sustained instability from step {first}", evidence, cause,
+        fix, 3 if level.back is False else 2, tuple(e.step for e in spikes[:20]),
+    )  # fmt: skip
+
+
+def _bursts(log: RunLog, episodes: list[Episode]) -> Finding:
+    hits = [e for ep in episodes for e in ep.spikes]
+    again = [e for e in hits if e["reproduced"] is True]
+    unknown = [e for e in hits if e["reproduced"] is None]
+    rolled = [e for e in log.of_kind("rollback") if e["cause"] is None]
+    steps = tuple(e.step for e in hits)
+    signals = sorted({str(e["signal"] or "loss") for e in hits})
+    told = (
+        f"; {len(again)} reproduced when the step was replayed" if again else
+        "; not replayed (no closure, or under torch.distributed)"
+    )  # fmt: skip
+    changes = [ep.change for ep in episodes if ep.change is not None]
+    rows = max(len(ep.spikes) for ep in episodes)
+    if rows >= 2:
+        cause = (
+            f"spikes on {rows} batches in a row, then none: the weights, not one batch: an "
+            "update too large for the curvature (an LR too high, a schedule jump) left them "
+            "where every batch spikes" + ("; the rollback restored them" if rolled else "")
+        )
+    elif again and not unknown:
         cause = (
             "the replayed step spiked again, so the spike is in the batch or in the weights: "
             "an outlier or mislabelled batch, or an update too large for the curvature (LR "
             "too high, a schedule jump)"
-            if again and not unknown
-            else "an update too large for the curvature (LR too high, or a learning-rate "
+        )
+    else:
+        cause = (
+            "an update too large for the curvature (LR too high, or a learning-rate "
             "schedule jump), or an outlier batch"
         )
-        out.append(Finding(
-            "loss_spikes",
-            "Loss spikes" if signals == ["loss"] else "Spikes in the training signal",
-            f"{len(hits)} spike(s) of {', '.join(signals)} at steps {_list(steps)}{told}"
-            + (f"; {len(rolled)} rollback(s) after them" if rolled else ""),
-            cause,
-            "lower the peak LR or lengthen warmup; clip gradients (ZClip adapts the threshold); "
-            "look at the batches at those steps",
-            2, steps,
-        ))  # fmt: skip
+    if changes:
+        cause += f" ({changes[0].says()})"
+    return Finding(
+        "loss_spikes",
+        "Loss spikes" if signals == ["loss"] else "Spikes in the training signal",
+        f"{len(hits)} spike(s) of {', '.join(signals)} at steps {_list(steps)}{told}"
+        + (f"; {len(rolled)} rollback(s) after them" if rolled else "")
+        + "; then none, and the loss came back",
+        cause,
+        "lower the peak LR or lengthen warmup; clip gradients (ZClip adapts the threshold); "
+        "look at the batches at those steps",
+        2, steps,
+    )  # fmt: skip
+
+
+@_rule("bad_batch", "sustained_instability", "loss_spikes", "transient_spikes")
+def loss_spikes(events: RunLog) -> list[Finding]:
+    """Spikes, told apart: by their replay (one that is gone when the step is replayed
+    is a transient of the computation), then by their course (:func:`spike_episodes`):
+    one spike that did not recur is a bad batch; spikes that keep coming after a change
+    are an instability; a burst that stopped is an update too large."""
+    spikes = list(events.of_kind("spike"))
+    if not spikes:
+        return []
+    out = []
+    episodes = spike_episodes(events)
+    for kind, make in (("sustained", _sustained), ("isolated", _bad_batches),
+                       ("burst", _bursts)):  # fmt: skip
+        chosen = [ep for ep in episodes if ep.kind == kind]
+        if chosen:
+            out.append(make(events, chosen))
+    gone = [e for e in spikes if e["reproduced"] is False]
     if gone:
         steps = tuple(e.step for e in gone)
         out.append(Finding(
@@ -552,7 +1038,7 @@ def loss_spikes(events: RunLog) -> list[Finding]:
     return out
 
 
-@_rule
+@_rule("transients")
 def transients(events: RunLog) -> list[Finding]:
     hits = [e for e in events.of_kind("fault") if e["deterministic"] is False]
     if len(hits) < 2:
@@ -569,7 +1055,7 @@ def transients(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("loss_nan")
 def loss_nan_unguarded(events: RunLog) -> list[Finding]:
     steps = events.steps
     losses = steps.column("loss")
@@ -613,7 +1099,7 @@ def loss_nan_unguarded(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("loss_stuck")
 def loss_stuck(events: RunLog) -> list[Finding]:
     losses = [e["loss"] for e in events.steps[-50:] if _finite(e["loss"])]
     if len(losses) < 30:
@@ -637,32 +1123,66 @@ def loss_stuck(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+# A loss this small against the run's largest is 0: the model fits its batches exactly.
+_ZERO_LOSS = 1e-9
+
+
+def _zero_losses(steps: Steps) -> set[int]:
+    """The steps whose loss is (relatively) exactly 0."""
+    losses = steps.column("loss")
+    finite = [abs(v) for v in losses if _finite(v)]
+    ref = max(finite, default=0.0) or 1.0
+    return {s for s, v in zip(steps.step, losses, strict=True)
+            if _finite(v) and abs(v) <= _ZERO_LOSS * ref}  # fmt: skip
+
+
+@_rule("zero_grad", "converged")
 def zero_grad_norm(events: RunLog) -> list[Finding]:
+    """Gradient norms of exactly 0 on applied steps: with a loss of 0 too, the model fits
+    its batches (convergence); with a loss that is not 0, no gradient reaches the weights."""
     steps = events.steps
+    solved = _zero_losses(steps)
     zeros = [
-        steps[j] for j, (g, a) in enumerate(zip(steps.column("grad_norm"),
-                                                steps.column("action"), strict=True))
+        s for s, g, a in zip(steps.step, steps.column("grad_norm"), steps.column("action"),
+                             strict=True)
         if g == 0.0 and a == "applied"
     ]  # fmt: skip
-    if len(zeros) < 3:
-        return []
+    dead = [s for s in zeros if s not in solved]
+    out = []
+    converged = [s for s in zeros if s in solved]
+    if len(converged) >= 3:
+        out.append(Finding(
+            "converged", "The loss reached 0: the model fits its training batches exactly",
+            f"{len(converged)} applied step(s) with a loss of 0 and a gradient norm of exactly "
+            f"0 (first at step {converged[0]})",
+            "convergence, not a dead model: the model fits every example of those batches "
+            "exactly (a memorized cross-entropy, whose log-softmax rounds to exactly 0 in "
+            "float32; an exactly solvable regression), so there is no gradient left",
+            "nothing to fix in the numerics; if it is unexpected (a large dataset, an early "
+            "step), check for a target leaking into the inputs or a dataset too small, and "
+            "evaluate on held-out data; stopping here saves compute",
+            1, tuple(converged[:20]),
+        ))  # fmt: skip
+    if len(dead) < 3:
+        return out
     fp16 = run_info(events).fp16
     cause = (
         "fp16 gradients underflowed to zero (the loss scale is too small for them)"
         if fp16
-        else "no gradient reaches the parameters: dead ReLUs, a detached graph, or a frozen model"
+        else "no gradient reaches the parameters although the loss is not 0: dead ReLUs, a "
+        "detached graph, or a frozen model"
     )
     return [Finding(
         "zero_grad", "The gradient norm is zero",
-        f"{len(zeros)} step(s) with a gradient norm of exactly 0 (first at {zeros[0].step})",
+        f"{len(dead)} step(s) with a gradient norm of exactly 0 and a loss that is not 0 "
+        f"(first at {dead[0]})",
         cause, "raise the loss scale (or use bf16)" if fp16 else
         "check requires_grad, the graph, and the activations' dead fraction",
-        2, tuple(e.step for e in zeros[:20]),
-    )]  # fmt: skip
+        2, tuple(dead[:20]),
+    ), *out]  # fmt: skip
 
 
-@_rule
+@_rule("gradient_underflow")
 def gradient_underflow(events: RunLog) -> list[Finding]:
     """Gradients that fp16 flushes to zero, measured on the sampled steps' statistics;
     what it means depends on the run's precision (``run`` event): a loss in an fp16 run
@@ -730,12 +1250,15 @@ def _count(t: dict[str, Any], key: str) -> int:
     return v if type(v) is int else 0
 
 
-@_rule
+@_rule("dead_layers")
 def dead_layers(events: RunLog) -> list[Finding]:
     """Layers whose gradient is all zero on a sampled step: dead units or underflow."""
     dead: dict[str, int] = {}
     zero_acts: dict[str, float] = {}
+    solved = _zero_losses(events.steps)  # a loss of 0 has a zero gradient everywhere
     for e in _samples(events):
+        if e.step in solved:
+            continue
         for t in e["tensors"]:
             n = _count(t, "numel")
             if n <= 0:
@@ -770,7 +1293,7 @@ def dead_layers(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("attention_logits")
 def attention_logits(events: RunLog) -> list[Finding]:
     """Attention inputs (q/k projections) whose amax grows over the run: logits grow as
     their product, and the softmax saturates (the lesson on 1/sqrt(d_k))."""
@@ -803,7 +1326,7 @@ def attention_logits(events: RunLog) -> list[Finding]:
     return out
 
 
-@_rule
+@_rule("fp16_divergence")
 def fp16_divergence(events: RunLog) -> list[Finding]:
     """An fp16 run whose loss goes non-finite after a burst of overflows."""
     steps = events.steps
@@ -828,7 +1351,7 @@ def fp16_divergence(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("stopped")
 def stopped(events: RunLog) -> list[Finding]:
     """The guard stopped the run: say so first, with its reason in words."""
     stops = events.of_kind("stop")
@@ -862,7 +1385,7 @@ def stopped(events: RunLog) -> list[Finding]:
 _NAMED_OPS = ("softmax", "aten.exp")
 
 
-@_rule
+@_rule("localized_faults")
 def localized_faults(events: RunLog) -> list[Finding]:
     """Faults born in the model that no specific rule names: where, by what, and the line
     (the replay's localization), so none goes unmentioned."""
@@ -891,7 +1414,7 @@ def localized_faults(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("large_loss")
 def large_loss(events: RunLog) -> list[Finding]:
     """A loss far larger than a normalized objective gives: targets or a reduction that
     scale every gradient (and overflow fp16) with it."""
@@ -914,7 +1437,7 @@ def large_loss(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule
+@_rule("clipped_most_steps")
 def clipped_most_steps(events: RunLog) -> list[Finding]:
     """The absolute cap clips most healthy steps: the cap, not the adaptive rule, then
     sets every update's size (like a lower learning rate)."""
@@ -941,6 +1464,259 @@ def clipped_most_steps(events: RunLog) -> list[Finding]:
         "(ClipPolicy(zclip=ZClipConfig(max_grad_norm=None)) lets ZClip adapt alone)",
         1, (),
     )]  # fmt: skip
+
+
+# ------------------------------------------------ what does not NaN the loss (issue 36)
+def ended(events: RunLog) -> list[Event]:
+    """Each rank's last ``end`` event (written when its guard closed)."""
+    last: dict[int, Event] = {}
+    for e in events.of_kind("end"):
+        last[e.rank] = e
+    return [last[r] for r in sorted(last)]
+
+
+def end_nonfinite(events: RunLog) -> list[str]:
+    """What the run ended with non-finite, by the ``end`` events ("buffer:bn.running_var",
+    "param:fc.weight", ...), in order and without repeats."""
+    names: dict[str, None] = {}
+    for e in ended(events):
+        for n in e.fields.get("nonfinite") or []:
+            names[str(n)] = None
+    return list(names)
+
+
+@_rule("nonfinite_buffer")
+def nonfinite_buffer(events: RunLog) -> list[Finding]:
+    """A floating buffer (BatchNorm's running statistics) holding a NaN or inf: a fault
+    the guard answered with a rollback, a warning, or what the run ended with."""
+    faults = _param_faults(events, "buffer")
+    warned = warnings_of(events, "nonfinite_buffer")
+    ended = [n for n in end_nonfinite(events) if n.startswith("buffer:")]
+    if not (faults or warned or ended):
+        return []
+    names: dict[str, None] = {}
+    for e in faults:
+        names[str(e["tensor"] or "buffer:?").removeprefix("buffer:")] = None
+    for e in warned:
+        for n in _evidence(e).get("buffers") or []:
+            names[str(n).removeprefix("buffer:")] = None
+    for n in ended:
+        names[n.removeprefix("buffer:")] = None
+    seen = sorted({e.step for e in [*faults, *warned]})
+    first = seen[0] if seen else None
+    rolled = first is not None and any(r.step >= first for r in events.of_kind("rollback"))
+    if ended:
+        outcome = "the run ended with them non-finite: every eval() forward through them is NaN"
+    elif rolled:
+        outcome = "the guard rolled back to a snapshot whose buffers were vetted finite"
+    else:
+        outcome = "no rollback followed and the log has no end check"
+    return [Finding(
+        "nonfinite_buffer", "A buffer holds a NaN or inf (the loss stays finite)",
+        f"{', '.join(list(names)[:6])}" + (f" at step(s) {_list(seen)}" if seen else "")
+        + f"; {outcome}",
+        "running statistics took a non-finite value while the training loss stayed finite "
+        "(train mode normalizes with the batch's own statistics; the running ones are used "
+        "only in eval()): a batch holding NaN/inf went through a forward in train mode (a "
+        "skipped step still updates BatchNorm's running statistics, and so does an eval or "
+        "data-check pass run without model.eval()), a variance that overflows in a "
+        "half-precision BatchNorm, or a write from outside (a checkpoint load)",
+        "validate batches before the forward; run evaluation and data checks under "
+        "model.eval(); keep BatchNorm in float32 (autocast does) with a larger eps in fp16; "
+        "with very small batches use GroupNorm/LayerNorm; a model that ended with them: "
+        "module.reset_running_stats() and recompute the statistics on clean data",
+        3, tuple(seen),
+    )]  # fmt: skip
+
+
+def _layer_words(layers: list[Any]) -> str:
+    out = []
+    for layer in layers[:5]:
+        if not isinstance(layer, dict):
+            continue
+        words = str(layer.get("name") or "?")
+        extra = [str(layer["dtype"])] if isinstance(layer.get("dtype"), str) else []
+        frac, numel = _num(layer.get("fraction")), layer.get("numel")
+        if frac is not None:
+            extra.append(f"{frac:.0%}" + (f" of {numel}" if type(numel) is int else ""))
+        out.append(words + (f" ({', '.join(extra)})" if extra else ""))
+    more = len(layers) - 5
+    return ", ".join(out) + (f" and {more} more" if more > 0 else "")
+
+
+@_rule("stalled_updates")
+def stalled_updates(events: RunLog) -> list[Finding]:
+    """16-bit weights whose updates are lost to rounding (the guard's ``stalled_updates``
+    warning: elements whose fp32 update was nonzero and whose stored weight did not move)."""
+    hits = warnings_of(events, "stalled_updates")
+    if not hits:
+        return []
+    ev = _evidence(hits[-1])
+    layers: list[Any] = ev["layers"] if isinstance(ev.get("layers"), list) else []
+    frac, lr = _num(ev.get("fraction")), _num(ev.get("lr"))
+    window = ev.get("window")
+    span = (
+        f" over steps {window[0]}-{window[1]}"
+        if isinstance(window, list) and len(window) == 2 and all(type(w) is int for w in window)
+        else ""
+    )
+    samples = ev.get("samples")
+    detail = ", ".join(
+        x for x in (f"{samples} samples" if type(samples) is int else "",
+                    f"lr {lr:g}" if lr is not None else "") if x
+    )  # fmt: skip
+    info = run_info(events)
+    dtypes = {str(x["dtype"]) for x in layers if isinstance(x, dict) and isinstance(
+        x.get("dtype"), str)}  # fmt: skip
+    low = (sorted(dtypes)[0] if dtypes else None) or info.weights_16bit or "16-bit"
+    evidence = (
+        (f"{frac:.0%} of the measured weight elements" if frac is not None
+         else "most weight elements of the layers measured")
+        + f" did not move{span}" + (f" ({detail})" if detail else "")
+        + " although their update was not 0"
+        + (f"; by layer, worst first: {_layer_words(layers)}" if layers else "")
+    )  # fmt: skip
+    if not ev:
+        evidence = str(hits[-1]["message"] or "the guard warned of stalled updates")
+    return [Finding(
+        "stalled_updates", "Weight updates lost to rounding (16-bit weights)",
+        evidence,
+        f"the weights are {low} with no fp32 master copy: an update smaller than half the "
+        f"spacing of {low} values around the weight rounds back to the same value (the "
+        "spacing is 2^-7 of |w| in bf16, 2^-10 in fp16), so those weights stop learning "
+        "while the loss drifts or rises, with no NaN",
+        "keep fp32 master weights (floatguard.MasterWeights: the update is applied in fp32 "
+        "and rounded once), or keep the model in fp32 and train under autocast; if the "
+        "weights must stay 16-bit, use stochastic rounding or Kahan-compensated updates; a "
+        "larger LR makes the updates survive only if that step size is what you intend",
+        2, tuple(e.step for e in hits),
+    )]  # fmt: skip
+
+
+_TREND_SIGNALS = {"loss_trend": "loss", "grad_norm_trend": "gradient norm"}
+
+
+def _trend_words(ev: dict[str, Any], signal: str) -> str:
+    """A trend warning's evidence in words: the best window, the windows, the rise."""
+    parts = []
+    best, best_mean = ev.get("best_window"), _num(ev.get("best_mean"))
+    if best_mean is not None:
+        where = " (its best window)"
+        if isinstance(best, list) and len(best) == 2:
+            where = f" (steps {best[0]}-{best[1]}, its best window)"
+        parts.append(f"the {signal} rose from {best_mean:.3g}{where}")
+    else:
+        parts.append(f"the {signal} rose steadily")
+    ratio, slope, rise = _num(ev.get("ratio")), _num(ev.get("slope_per_step")), ev.get("rise_step")
+    if ratio is not None:
+        parts.append(f"{_times(ratio)} its best level")
+    if slope is not None:
+        parts.append(f"{slope:+.3g} a step" + (f" from step {rise}" if type(rise) is int else ""))
+    elif type(rise) is int:
+        parts.append(f"from step {rise}")
+    windows = [w for w in ev.get("windows") or [] if isinstance(w, list) and len(w) == 2
+               and _finite(w[1])]  # fmt: skip
+    if windows:
+        shown = windows if len(windows) <= 8 else [*windows[:3], None, *windows[-4:]]
+        means = ", ".join("..." if w is None else f"{w[1]:.3g}" for w in shown)
+        parts.append(f"mean per window: {means}")
+    return "; ".join(parts)
+
+
+def _trend_change(events: RunLog, ev: dict[str, Any], start: int) -> tuple[str, str | None]:
+    """What changed at a trend's start, in words, and "lr" / "scale" / "none" / None
+    (unknown): the warning's ``changed`` first, else the steps' own LR."""
+    changed: dict[str, Any] = ev["changed"] if isinstance(ev.get("changed"), dict) else {}
+    lr, scale = _pair(changed.get("lr")), _pair(changed.get("scale"))
+    best = ev.get("best_window")
+    if (
+        lr is None
+        and isinstance(best, list)
+        and len(best) == 2
+        and all(type(x) is int for x in best)
+    ):
+        before = window_lr(events.steps, best[0], best[1])
+        after = window_lr(events.steps, start, max(events.steps.step, default=start))
+        lr = (before, after) if before is not None and after is not None else None
+    words: list[str] = []
+    what: str | None = None
+    if lr is not None and lr[0] > 0 and lr[1] > 0:
+        r = lr[1] / lr[0]
+        if r >= _LR_JUMP:
+            words.append(f"the LR rose {_times(r)} ({lr[0]:.3g} to {lr[1]:.3g})")
+            what = "lr"
+        elif 1 / r >= _LR_JUMP:
+            words.append(f"the LR fell {_times(1 / r)} ({lr[0]:.3g} to {lr[1]:.3g})")
+            what = "none"
+        else:
+            words.append(f"the LR did not change ({lr[1]:.3g})")
+            what = "none"
+    else:
+        words.append("the LR is not in the log")
+    if scale is not None and scale[0] != scale[1]:
+        words.append(f"the loss scale went from {scale[0]:g} to {scale[1]:g}")
+        what = what if what == "lr" else "scale"
+    return "; ".join(words), what
+
+
+@_rule("slow_divergence")
+def slow_divergence(events: RunLog) -> list[Finding]:
+    """A sustained rise of the loss (or the gradient norm) with no NaN (the guard's
+    ``loss_trend`` / ``grad_norm_trend`` warnings), and what changed at its start."""
+    hits = warnings_of(events, *_TREND_SIGNALS)
+    if not hits:
+        return []
+    loss = [e for e in hits if e["code"] == "loss_trend"]
+    lead = (loss or hits)[0]
+    ev = _evidence(lead)
+    signal = _TREND_SIGNALS[str(lead["code"])]
+    rise = ev.get("rise_step")
+    start = rise if type(rise) is int else lead.step
+    change, what = _trend_change(events, ev, start)
+    also = sorted({_TREND_SIGNALS[str(e["code"])] for e in hits} - {signal})
+    evidence = (
+        (_trend_words(ev, signal) if ev else str(lead["message"] or f"the {signal} rose"))
+        + f"; warned at step {lead.step}" + (f"; the {also[0]} rose too" if also else "")
+        + f"; at its start: {change}"
+    )  # fmt: skip
+    if what == "lr":
+        cause = (
+            "the learning rate grew until the updates were too large for the curvature: an "
+            "LR schedule that increases (a warmup that never ends, a cyclic or one-cycle "
+            "peak, a restart, scheduler.step() called per micro-batch) or an LR set too high; "
+            "it diverges slowly, with no NaN"
+        )
+        fix = ("lower the peak LR or fix the schedule (warmup length in steps, one "
+               "scheduler.step() per optimizer step)")  # fmt: skip
+    elif what in ("none", "scale"):
+        cause = (
+            "the loss rose with the LR unchanged: the data changed (labels growing noisy or "
+            "shuffled, a corrupted or mislabelled shard, a distribution shift, a curriculum "
+            "step), or an LR that was right earlier is too high for this phase"
+            + ("; the fp16 loss scale also changed (if the gradients reach the optimizer "
+               "still scaled, a custom step that skips unscaling, the update changes with it)"
+               if what == "scale" else "")
+        )  # fmt: skip
+        fix = (
+            f"look at the data from step {start} on (the labels, the source of those batches); "
+            "evaluate on a clean held-out set (a held-out loss that keeps falling while the "
+            "training loss rises means noisy training labels); if the data is clean, lower "
+            "the LR"
+        )
+    else:
+        cause = (
+            "an LR schedule that increases or an LR too high for this phase, or the data "
+            "going bad (noisy labels, a corrupted shard); the log does not say the LR"
+        )
+        fix = "check the LR schedule and the data from that step on; lower the LR"
+    fix += "; the guard only warns about a trend: it changed nothing for it"
+    title = (
+        f"The {signal} rises steadily (no NaN)"
+        if not also
+        else "The loss and the gradient norm rise steadily (no NaN)"
+    )
+    return [Finding("slow_divergence", title, evidence, cause, fix, 2,
+                    tuple(e.step for e in hits))]  # fmt: skip
 
 
 def diagnose(events: Iterable[Event]) -> list[Finding]:

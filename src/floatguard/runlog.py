@@ -1,6 +1,6 @@
 """A run's event log held compactly, for the report and the diagnosis of logs of any size.
 
-Step events are kept as columns (about 70 bytes a step: arrays of floats and ints, the
+Step events are kept as columns (about 80 bytes a step: arrays of floats and ints, the
 action as a byte), the rare kinds (faults, spikes, rollbacks, ...) as events, snapshot
 events only counted, and ``stats`` samples slimmed to what the report and the
 diagnosis read: each tensor's counts, amax and fp16 underflow, with the exponent
@@ -32,11 +32,11 @@ __all__ = ["RunLog", "Steps", "global_view", "reduce_stats", "tensor_fields"]
 
 _ACTIONS = (None, "applied", "skipped", "rolled_back")
 _CODE = {a: i for i, a in enumerate(_ACTIONS)}
-_FLOATS = ("loss", "grad_norm", "clip_coef", "scale", "lr_factor")
+_FLOATS = ("loss", "grad_norm", "clip_coef", "scale", "lr_factor", "lr")
 # What a step logs; a resume supersedes its rank's events of these kinds for the steps
 # it redoes (the rest are the run's edges, kept: run, stop, resume, snapshot errors).
 _REDONE = frozenset({"step", "overflow", "spike", "lr_backoff", "rollback", "snapshot",
-                     "stats", "fault", "warning"})  # fmt: skip
+                     "stats", "fault", "warning", "end"})  # fmt: skip
 
 
 class Steps(Sequence[Event]):

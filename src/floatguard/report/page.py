@@ -9,60 +9,16 @@ import math
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from floatguard._event_schema import finite as _finite
 from floatguard.diagnose import Finding, RunInfo, clipped_steps, diagnose, run_info
 from floatguard.events import Event, conform_events
+from floatguard.report.verdict import Verdict, verdict_of
 from floatguard.runlog import RunLog, global_view, reduce_stats, tensor_fields
 
 __all__ = ["Verdict", "global_view", "reduce_stats", "render_report", "verdict_of"]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """``state``: "healthy", "recovered" or "died"; ``text``: one sentence."""
-
-    state: str
-    text: str
-    faults: int
-    steps: int
-
-
-def verdict_of(events: Iterable[Event]) -> Verdict:
-    log = RunLog.from_events(events)
-    steps, faults, stops = log.steps, log.of_kind("fault"), log.of_kind("stop")
-    losses = steps.column("loss")
-    bad_tail = bool(losses[-5:]) and all(not _finite(v) for v in losses[-5:])
-    resumes = log.of_kind("resume")
-    # a stop a later resume of its rank went on from is history, not how the run ended
-    stops = [s for s in stops if not any(r.rank == s.rank and r.time >= s.time for r in resumes)]
-    resumed = ""
-    if resumes:
-        froms = ", ".join(str(r.step) for r in resumes[:5]) + (", ..." if len(resumes) > 5 else "")
-        resumed = f"; resumed {len(resumes)} time(s), from step {froms}"
-    if stops:
-        s = stops[-1]
-        why = f" ({s['fault']})" if s["fault"] else ""
-        text = f"Stopped at step {s.step}: {s['reason']}{why}{resumed}"
-        return Verdict("died", text, len(faults), len(steps))
-    if bad_tail:
-        first = next(steps.step[j] for j, v in enumerate(losses) if not _finite(v))
-        return Verdict(
-            "died", f"Died at step {first}: the loss stayed non-finite to the end",
-            len(faults), len(steps),
-        )  # fmt: skip
-    not_applied = len(steps) - steps.column("action").count("applied")
-    if faults or not_applied:
-        return Verdict(
-            "recovered",
-            f"Recovered from {len(faults)} fault(s): {not_applied} of {len(steps)} steps "
-            f"not applied (skipped or rolled back), the run ended healthy{resumed}",
-            len(faults), len(steps),
-        )  # fmt: skip
-    return Verdict("healthy", f"Healthy: all {len(steps)} steps applied{resumed}", 0, len(steps))
 
 
 def _rank_table(log: RunLog) -> str:
@@ -132,12 +88,15 @@ Plots = tuple[dict[str, Path], dict[str, str]]  # the images, and a sentence for
 
 
 def _scale_of(values: list[float]) -> str | None:
-    """The y scale values can be drawn on: "log" when every finite one is > 0, "linear"
-    when some are not (a loss may be negative or zero), None when none is finite."""
+    """The y scale values can be drawn on: "log" when every finite one is > 0 and they
+    span a decade or more, "linear" otherwise (a loss may be negative or zero; a narrow
+    range on a log axis gets only minor ticks, whose labels overlap), None when none is
+    finite."""
     finite = [v for v in values if _finite(v)]
     if not finite:
         return None
-    return "log" if min(finite) > 0 else "linear"
+    low, high = min(finite), max(finite)
+    return "log" if low > 0 and high >= 10 * low else "linear"
 
 
 def _plottable(v: object) -> float:
@@ -146,6 +105,72 @@ def _plottable(v: object) -> float:
 
 
 _MAX_POINTS = 20_000  # per curve: a longer run is drawn every k-th step (counts stay exact)
+
+
+def _step_tick(v: float, _pos: object = None) -> str:
+    """A step number on an axis: 950, 12,500, 120k, 1.2M (never an offset or 1e6)."""
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if a >= 1e5:
+        return f"{v / 1e3:.3g}k"
+    return f"{v:,.0f}"
+
+
+def _value_tick(v: float, _pos: object = None) -> str:
+    """A value on a log axis: 0.001, 2, 5e+04 (shortest exact form, no mathtext)."""
+    return f"{v:.3g}"
+
+
+def _readable(ax: Any, scale: str) -> None:
+    """Tick labels a reader can read at any step count and magnitude: at most ~8 integer
+    step ticks with thousands separators; on a log y axis one label per decade (every
+    other decade past 8) and unlabelled minor ticks; on a linear one plain numbers, no
+    offset ("+1" over the axis) and a power-of-ten multiplier only past 1e5 or below 1e-4."""
+    from matplotlib import ticker
+
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=8, integer=True))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(_step_tick))
+    if scale == "log":
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=7))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(_value_tick))
+        ax.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(2.0, 5.0), numticks=12))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    else:
+        ax.yaxis.set_major_locator(ticker.MaxNLocator(nbins=6))
+        fmt = ticker.ScalarFormatter(useOffset=False)
+        fmt.set_powerlimits((-4, 5))
+        ax.yaxis.set_major_formatter(fmt)
+    ax.tick_params(labelsize=8)
+
+
+def _norm_label(info: RunInfo) -> str:
+    """What the steps' gradient norm is (the run event's clip.norm_measured)."""
+    return {
+        "before_clip": "gradient norm (before clipping)",
+        "after_clip": "gradient norm (after the Trainer's clipping)",
+    }.get(info.norm_measured or "", "gradient norm")
+
+
+def _lr_panel(ax: Any, xs: list[float], lr: list[float], factor: list[float]) -> None:
+    """The LR each update used (``step.lr``: the schedule's times the guard's factor) and,
+    on a second axis, the guard's LR factor when it ever left 1."""
+    scale = _scale_of(lr)
+    if scale is not None:
+        ax.plot(xs, lr, lw=1, color="#9467bd", label="learning rate (as applied)")
+        ax.set_yscale(scale)
+        ax.set_ylabel(f"learning rate ({scale} scale)")
+        _readable(ax, scale)
+    if any(_finite(f) and f != 1.0 for f in factor):
+        other = ax.twinx() if scale is not None else ax
+        other.step(xs, factor, where="post", lw=1, ls="--", color="#e377c2",
+                   label="the guard's LR factor")  # fmt: skip
+        other.set_ylim(0.0, 1.05)
+        other.set_ylabel("LR factor")
+        if other is not ax:
+            other.legend(loc="lower right", fontsize=8)
+        else:
+            _readable(ax, "linear")
 
 
 def _plots(log: RunLog, out: Path) -> Plots:
@@ -165,7 +190,10 @@ def _plots(log: RunLog, out: Path) -> Plots:
     loss = [_plottable(v) for v in steps.column("loss")[::stride]]
     norm_all = steps.column("grad_norm")
     norm = [_plottable(v) for v in norm_all[::stride]]
+    lr = [_plottable(v) for v in steps.column("lr")[::stride]]
+    factor = [_plottable(v) for v in steps.column("lr_factor")[::stride]]
     actions = steps.column("action")
+    info = run_info(log)
     if stride > 1:
         notes["drawn"] = f"{len(steps)} steps, drawn every {stride}th (the counts are exact)."
     panels = [(name, values, scale) for name, values in (("loss", loss), ("gradient norm", norm))
@@ -178,16 +206,21 @@ def _plots(log: RunLog, out: Path) -> Plots:
             + ("every value was non-finite or missing, so there is no curve to draw."
                if len(missing) == 2 else "that curve is left out.")
         )  # fmt: skip
+    # the LR panel: from step.lr (absent in older logs) or a factor that left 1
+    with_lr = panels and (_scale_of(lr) is not None or any(_finite(f) and f != 1.0 for f in factor))
     if panels:
-        fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3 * len(panels)), sharex=True,
-                                 squeeze=False)  # fmt: skip
-        axs = {name: ax for (name, _, _), ax in zip(panels, axes[:, 0], strict=True)}
-        for (name, values, scale), ax in zip(panels, axes[:, 0], strict=True):
-            label = "loss" if name == "loss" else "gradient norm (before clipping)"
+        rows = len(panels) + (1 if with_lr else 0)
+        fig, axes = plt.subplots(rows, 1, figsize=(10, 2.8 * rows), sharex=True, squeeze=False)
+        axs = {name: ax for (name, _, _), ax in zip(panels, axes[:, 0], strict=False)}
+        for (name, values, scale), ax in zip(panels, axes[:, 0], strict=False):
+            label = "loss" if name == "loss" else _norm_label(info)
             ax.plot(xs, values, lw=1, color="#1f77b4" if name == "loss" else "#2ca02c",
                     label=label)  # fmt: skip
             ax.set_yscale(scale)
             ax.set_ylabel(f"{name} ({scale} scale)")
+            _readable(ax, scale)
+        if with_lr:
+            _lr_panel(axes[-1, 0], xs, lr, factor)
         top_ax = axes[0, 0]
         first_values = panels[0][1]
         finite_top = [v for v in first_values if not math.isnan(v)]
@@ -204,7 +237,6 @@ def _plots(log: RunLog, out: Path) -> Plots:
             top_ax.vlines(fault_xs, 0, 1, transform=top_ax.get_xaxis_transform(),
                           color="#d62728", alpha=0.25, lw=1)  # fmt: skip
         if "gradient norm" in axs:
-            info = run_info(log)
             by_cap, by_z = clipped_steps(steps, info)
             cap = info.clip_cap
             for group, label, color in (
@@ -223,9 +255,14 @@ def _plots(log: RunLog, out: Path) -> Plots:
                     info, len(by_cap), len(by_z), actions.count("applied")
                 )).strip()  # fmt: skip
         axes[-1, 0].set_xlabel("step")
-        top_ax.set_title("Loss and gradient norm; red lines: faults")
+        top_ax.set_title(
+            "Loss, gradient norm"
+            + (" and learning rate" if with_lr else "")
+            + "; red lines: faults"
+        )
         for ax in axes[:, 0]:
-            ax.legend(loc="upper right", fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(loc="upper right", fontsize=8)
         _save(fig, plt, out / "timeline.png")
         paths["timeline"] = out / "timeline.png"
     scales = steps.column("scale")[::stride]
@@ -236,6 +273,7 @@ def _plots(log: RunLog, out: Path) -> Plots:
         else:
             fig, ax = plt.subplots(figsize=(10, 2.8))
             ax.step(xs, logs, where="post", color="#8c564b")
+            _readable(ax, "linear")
             ax.set_xlabel("step")
             ax.set_ylabel("log2(loss scale)")
             ax.set_title("fp16 loss scale")
@@ -339,8 +377,10 @@ def _stats_plots(log: RunLog, out: Path) -> Plots:
             )  # fmt: skip
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("sampled step")
-            ax.set_xticks(range(len(samples)))
-            ax.set_xticklabels([str(e.step) for e in samples], rotation=90, fontsize=6)
+            gap = max(1, -(-len(samples) // 24))  # at most ~24 labels, readable
+            ax.set_xticks(range(0, len(samples), gap))
+            ax.set_xticklabels([_step_tick(e.step) for e in samples[::gap]], rotation=90,
+                               fontsize=7)  # fmt: skip
             fig.colorbar(im, ax=ax, fraction=0.04)
         axes[0].set_yticks(range(len(rows)))
         axes[0].set_yticklabels([m for m, _ in rows], fontsize=7)
@@ -386,6 +426,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1000px;ma
 color:#222;padding:0 1em} h1{font-size:1.6em} h2{margin-top:1.6em;border-bottom:1px solid #ddd}
 .verdict{padding:.8em 1em;border-radius:6px;font-size:1.15em}
 .healthy{background:#e6f4ea}.recovered{background:#fff4e0}.died{background:#fde8e8}
+.unchecked{background:#eef1f5}.unresolved{background:#fde9d9}
 .card{border:1px solid #ddd;border-radius:6px;padding:.6em 1em;margin:.6em 0}
 .card code,td code{background:#f4f4f4;padding:0 .2em} table{border-collapse:collapse}
 td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left;font-size:.92em}
