@@ -161,12 +161,12 @@ class Actor:
         return {
             "hypers": _hypers(self.optimizer),
             "scheduler": (
-                copy.deepcopy(self.scheduler.state_dict())
+                _one_level(self.scheduler.state_dict())
                 if self.scheduler is not None and hasattr(self.scheduler, "state_dict")
                 else None
             ),
-            "scaler": self.scaler.state_dict(),
-            "parts": [(o, copy.deepcopy(o.state_dict())) for o in self._parts()],
+            "scaler": self.scaler.state_dict(),  # (these state_dicts are fresh copies)
+            "parts": [(o, o.state_dict()) for o in self._parts()],
         }
 
     def _restore_light(self, saved: dict[str, Any]) -> None:
@@ -263,6 +263,12 @@ def is_metric_scheduler(scheduler: Any) -> bool:
         and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         for p in sig.parameters.values()
     )
+
+
+def _one_level(sd: dict[str, Any]) -> dict[str, Any]:
+    """A scheduler's state_dict copied one level deep (its lists and dicts: a torch
+    scheduler replaces or mutates those; deeper values are numbers)."""
+    return {k: copy.copy(v) if isinstance(v, (list, dict)) else v for k, v in sd.items()}
 
 
 def _hypers(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
