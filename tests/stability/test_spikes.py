@@ -263,6 +263,9 @@ def test_state_dict_is_the_window_alone() -> None:
         ({"range_rel": -1}, r"range_rel=-1 must be a finite number >= 0"),
         ({"min_spread": -1e-3}, r"min_spread=-0\.001 must be a finite number >= 0.*units"),
         ({"min_spread": "0.1"}, r"min_spread='0\.1'"),
+        ({"neighbours": -1}, r"neighbours=-1 must be an int >= 0"),
+        ({"neighbours": 2.0}, r"neighbours=2\.0 must be an int"),
+        ({"neighbours": True}, r"neighbours=True"),
     ],
 )
 def test_knobs_are_validated(kw: dict[str, object], match: str) -> None:
@@ -288,3 +291,87 @@ def test_lesson_handler_min_rel() -> None:
     for v in [*xs, 9.0, 9.5, 2.0, 9.0]:
         expected = d.would_trigger(v)
         assert d.check(v) is expected
+
+
+# --------------------------------------------------------------------------------------
+# Trends: a bad batch on a falling loss (issue 36, item 5).
+
+
+def _falling(n: int = 200, seed: int = 6) -> list[float]:
+    """Early training: a loss falling 40-fold over 80 steps, 10% lognormal batch noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    return [float(v) for v in (2.2 * np.exp(-t / 20) + 0.05) * np.exp(0.1 * rng.normal(size=n))]
+
+
+def _before_threshold(history: list[float], z: float = 6.0, min_rel: float = 0.5) -> float:
+    """The rule before ``neighbours`` (reference): median, MAD and the highest value
+    come back from, over the last 50 nonzero values."""
+    basis = [v for v in history if v != 0][-50:]
+    med = float(np.median(basis))
+    mad = float(np.median(np.abs(np.asarray(basis) - med)))
+    back = max(i for i, v in enumerate(basis) if v <= med)
+    hi = max([med, *basis[:back]])
+    bar = max(med + z * 1.4826 * mad, med + min_rel * abs(med), hi + 1.5 * (hi - med))
+    return bar if bar > med else math.inf
+
+
+@pytest.mark.parametrize("step", [30, 80], ids=["step30", "step80"])
+def test_a_batch_5x_its_neighbours_on_a_falling_loss_is_a_spike(step: int) -> None:
+    xs = _falling()
+    for k in (0, 8):
+        assert not any(RobustSpikeDetector(neighbours=k).check(v) for v in xs)  # clean: none
+    d, before = RobustSpikeDetector(), RobustSpikeDetector(neighbours=0)
+    for v in xs[:step]:
+        d.check(v)
+        before.check(v)
+    neighbours = float(np.median(xs[step - 5 : step]))
+    assert d.is_spike(5 * neighbours) is True
+    assert d.is_spike(2 * neighbours) is False  # within the stream's own noise and fall
+    # Against the whole window the median was 2-3x the loss of the moment, the MAD the
+    # fall's, and the window's first values a "rise come back from": 5x was applied.
+    assert before.is_spike(5 * neighbours) is False
+    assert before.threshold() > 8 * neighbours
+    assert before.threshold() == pytest.approx(_before_threshold(before.history))
+
+
+def test_neighbours_zero_is_the_rule_before() -> None:
+    for stream in (_hinge_stream()[:400], _smooth_curve(), _falling()):
+        d = RobustSpikeDetector(neighbours=0)
+        for v in stream:
+            if len([h for h in d.history if h != 0]) >= d.warmup:
+                assert d.threshold() == pytest.approx(_before_threshold(d.history), rel=1e-12)
+            d.check(v)
+
+
+def test_a_rising_stream_keeps_the_window_median_as_its_level() -> None:
+    """Only a falling stream lowers the level: a gradient norm that doubles over the
+    window (early training) is judged from the window's median, as before, and a
+    value past 1 + min_rel of it is a spike, however recent values have risen."""
+    rise = [1.0 + k / 50 for k in range(50)]
+    d = RobustSpikeDetector()
+    assert not any(d.check(v) for v in rise)
+    assert d.threshold() == pytest.approx(1.5 * float(np.median(rise)))
+    # The last value was 1.98, the median 1.49: the bar is 2.235 (not 1.5 x 1.98).
+    assert d.is_spike(2.2) is False and d.is_spike(2.3) is True
+
+
+def test_the_deviation_cache_is_exact() -> None:
+    """Deviations kept between steps give the thresholds of a detector loaded with the
+    same window (which computes all of them afresh), at every step: with zeros, spikes,
+    NaN, a falling trend, min_spread's basis and windows shorter than the neighbourhood."""
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        kw = {
+            "window": [10, 20, 50][trial % 3],
+            "neighbours": [2, 3, 8, 8][trial % 4],
+            "min_spread": [0.0, 0.1][trial % 2],
+        }
+        d = RobustSpikeDetector(**kw)  # type: ignore[arg-type]
+        for i in range(300):
+            r = rng.random()
+            v = math.nan if r > 0.99 else 0.0 if r < 0.15 * (trial % 3) else rng.lognormal()
+            e = RobustSpikeDetector(**kw)  # type: ignore[arg-type]
+            e.load_state_dict(d.state_dict())
+            assert d.threshold() == e.threshold(), (trial, i)
+            d.check(float(v) * (1 + 0.02 * (300 - i)) if math.isfinite(v) else v)

@@ -10,6 +10,7 @@ from floatguard.stability.clip import (
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.snapshot import Snapshot, SnapshotError, SnapshotStore, load_snapshot
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
+from floatguard.stability.trend import TrendAlarm, TrendPolicy, TrendWatch
 
 __all__ = [
     "ClipPolicy",
@@ -21,6 +22,9 @@ __all__ = [
     "SnapshotError",
     "SnapshotStore",
     "SpikePolicy",
+    "TrendAlarm",
+    "TrendPolicy",
+    "TrendWatch",
     "WindowedZClip",
     "ZClip",
     "ZClipConfig",
