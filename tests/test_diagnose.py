@@ -4,11 +4,15 @@ cases it must tell apart."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 
-from floatguard.diagnose import diagnose
+from floatguard.diagnose import OWN_IDS, RULE_IDS, Finding, diagnose
 from floatguard.events import EVENT_FIELDS, Event
+
+from .report import _runs as runs
 
 
 def ev(kind: str, step: int, **fields: object) -> Event:
@@ -354,3 +358,193 @@ def test_a_merged_multi_rank_log_is_diagnosed_once_per_step() -> None:
     merged = [e for r in range(4) for e in rank_events(r)]
     found = rules(merged)
     assert "repeated_module" not in found and found.count("localized_faults") == 1
+
+
+# ------------------------------------------------------- what does not NaN (issue 36)
+def found(events: list[Event]) -> dict[str, Finding]:
+    return {f.rule: f for f in diagnose(events)}
+
+
+def test_a_loss_of_exactly_zero_with_a_zero_gradient_is_convergence() -> None:
+    f = found(runs.memorized())
+    assert list(f) == ["converged"] and f["converged"].severity == 1
+    assert f["converged"].evidence == (
+        "20 applied step(s) with a loss of 0 and a gradient norm of exactly 0 (first at step 40)"
+    )
+    assert "dead" not in f["converged"].title and "convergence, not a dead model" in f[
+        "converged"].cause  # fmt: skip
+    # a sampled step at a zero loss has an all-zero gradient everywhere: not dead layers
+    zero_grads = ev("stats", 45, tensors=[_t("fc", "param:weight.grad", zeros=100)])
+    assert "dead_layers" not in rules([*runs.memorized(), zero_grads])
+    # a zero gradient with a loss that is not 0 is still no gradient flowing
+    stuck = [e for e in runs.memorized() if e.kind != "step"] + steps([0.7] * 10, [0.0] * 10)
+    f = found(stuck)
+    assert list(f) == ["zero_grad"] and "dead ReLUs" in f["zero_grad"].cause
+
+
+@pytest.mark.parametrize(
+    ("op", "rule", "says", "never"),
+    [
+        ("optimizer.step", "optimizer_update", ["lower the LR"], ["resize", "callback"]),
+        ("update_or_outside", "update_or_outside",
+         ["lower the LR", "resize_token_embeddings", "callback", "checkpoint"], []),
+        ("outside", "bad_parameter", ["resize_token_embeddings", "do not lower the LR",
+                                      "a flipped bit"], ["(or lengthen warmup)"]),
+    ],
+    ids=["verified-update", "update-or-outside", "verified-outside"],
+)  # fmt: skip
+def test_a_bad_weights_cause_is_stated_never_guessed(
+    op: str, rule: str, says: list[str], never: list[str]
+) -> None:
+    f = found(runs.weight_fault(op))
+    assert list(f) == [rule]
+    text = f[rule].cause + " " + f[rule].fix
+    assert all(w in text for w in says), text
+    assert not any(w in text for w in never), text
+    if op == "update_or_outside":
+        assert f[rule].evidence == (
+            "emb.param:weight: non-finite since the last check at step 40 (found at step(s) "
+            "45); the guard did not see whether the optimizer update or a write outside it "
+            "made it"
+        )
+
+
+def test_an_older_logs_unverified_optimizer_update_gets_both_advices() -> None:
+    old = fault(12, phase="param", module="fc", tensor="param:weight", op=None,
+                cause="optimizer_update")  # fmt: skip
+    assert rules([*steps([1.0] * 15), old]) == ["update_or_outside"]
+
+
+def test_a_nan_buffer_is_named_and_what_became_of_it_said() -> None:
+    rolled = found(runs.nan_buffer(rolled_back=True))
+    assert list(rolled) == ["nonfinite_buffer"]  # not a bad weight, nor memory corruption
+    assert rolled["nonfinite_buffer"].evidence == (
+        "bn.running_var at step(s) 7; the guard rolled back to a snapshot whose buffers were "
+        "vetted finite"
+    )
+    kept = found(runs.nan_buffer(rolled_back=False))["nonfinite_buffer"]
+    assert kept.evidence == (
+        "bn.running_var at step(s) 20; the run ended with them non-finite: every eval() "
+        "forward through them is NaN"
+    )
+    assert "model.eval()" in kept.fix and "reset_running_stats()" in kept.fix
+    assert kept.severity == 3
+
+
+def test_stalled_16_bit_weights_name_the_layers_and_the_fix() -> None:
+    f = found(runs.stalled())
+    assert list(f) == ["stalled_updates"]
+    assert f["stalled_updates"].evidence == (
+        "78% of the measured weight elements did not move over steps 10-150 (5 samples, lr "
+        "0.0001) although their update was not 0; by layer, worst first: fc1.weight "
+        "(bfloat16, 81% of 4096), fc2.weight (bfloat16, 74% of 1024)"
+    )
+    fix = f["stalled_updates"].fix
+    assert "floatguard.MasterWeights" in fix and "stochastic rounding" in fix
+    assert "Kahan" in fix and "only if that step size is what you intend" in fix
+
+
+@pytest.mark.parametrize(
+    ("events", "what", "cause", "fix"),
+    [
+        (runs.lr_creep(), "the LR rose 2.6x from the best window to the rise's start "
+         "(0.00418 to 0.0109)", "the learning rate grew", "fix the schedule"),
+        (runs.lr_creep(changed=False), "the LR rose 11x from the best window to the rise's "
+         "median (0.00414 to 0.045)", "the learning rate grew", "fix the schedule"),
+        (runs.label_noise(), "the LR did not rise (0.001 to 0.001)",
+         "the loss rose with the LR unchanged: the data changed", "evaluate on a clean held-out"),
+    ],
+    ids=["lr-creep", "lr-creep-from-the-steps", "label-noise"],
+)  # fmt: skip
+def test_slow_divergence_says_what_changed_at_its_start(
+    events: list[Event], what: str, cause: str, fix: str
+) -> None:
+    f = found(events)
+    assert list(f) == ["slow_divergence"]  # the flat windows are not "stuck at ln(n)"
+    d = f["slow_divergence"]
+    assert d.evidence == (
+        "the loss rose from 0.72 (steps 50-99, its best window); 3.4x its best level; "
+        "+0.0069 a step from step 100; median per window: 0.99, 1.36, 1.71, 2.41; warned at "
+        f"step 299; what changed: {what}"
+    )
+    assert cause in d.cause and fix in d.fix
+    assert d.fix.endswith("the guard only warns about a trend: it changed nothing for it")
+
+
+def test_a_trend_in_the_issues_evidence_shape_is_read_too() -> None:
+    evidence = {"signal": "loss", "best_window": [50, 99], "best_mean": 0.72,
+                "windows": [[100, 0.99], [150, 1.36]], "ratio": 1.9, "rise_step": 100,
+                "changed": {"lr": [1e-3, 4e-2], "scale": [65536.0, 65536.0]}}  # fmt: skip
+    warning = ev("warning", 200, message="loss rising", code="loss_trend", evidence=evidence)
+    d = found([*steps([1.0] * 200), warning])["slow_divergence"]
+    assert d.evidence == (
+        "the loss rose from 0.72 (steps 50-99, its best window); 1.9x its best level; from "
+        "step 100; median per window: 0.99, 1.36; warned at step 200; what changed: the LR "
+        "rose 40x from the best window to the rise's start (0.001 to 0.04)"
+    )
+
+
+def test_a_bad_batch_is_not_an_instability() -> None:
+    batch = found(runs.corrupt_batch())
+    lr = found(runs.lr_x40())
+    assert list(batch) == ["bad_batch"] and list(lr) == ["sustained_instability"]
+    b, s = batch["bad_batch"], lr["sustained_instability"]
+    assert b.evidence == (
+        "step 50: loss 11 (5.5x its level), batch position 50, fingerprint 0123456789abcdef; "
+        "after it, no spike in the next 20 steps and the loss back within 25% of its level "
+        "before it"
+    )
+    assert b.cause.startswith("one batch, not the training")
+    assert "fingerprint" in b.fix and "the LR and the model need no change" in b.fix
+    assert s.title == "Sustained instability from step 61"
+    assert s.evidence == (
+        "5 spikes from step 61 on (steps 61, 62, 78, 79, 90), on 5 different batches; 13 steps "
+        "not applied (loss spikes: 5, after rollback: 8); 1 rollback(s); LR back-offs down to "
+        "a factor 0.25, 0.34 at the end; the LR rose 40x at step 60 (0.001 to 0.04) and "
+        "stayed there; the loss ended 4.1x its level before step 61; batches: position 61, "
+        "fingerprint 000000000000003d; position 62, fingerprint 000000000000003e; position "
+        "78, fingerprint 000000000000004e"
+    )
+    assert s.cause.startswith("a change, not a batch: the LR rose 40x at step 60")
+    assert s.fix.startswith("undo or shrink the LR change at step 60")
+    assert "only postpone it (its LR factor is 0.34)" in s.fix and s.severity == 3
+    assert b.cause != s.cause and b.fix != s.fix
+
+
+def test_a_burst_after_one_large_update_is_neither() -> None:
+    f = found(runs.burst())
+    assert list(f) == ["loss_spikes"]
+    assert f["loss_spikes"].cause.startswith("spikes on 4 batches in a row, then none: the "
+                                             "weights, not one batch")  # fmt: skip
+    assert "(the LR rose 300x at step 120 (0.001 to 0.3) for that step only)" in f[
+        "loss_spikes"].cause  # fmt: skip
+
+
+def test_the_same_bad_batch_every_epoch_is_said() -> None:
+    evs = [*steps([1.0] * 200)] + [
+        ev("spike", s, signal="loss", value=9.0, reproduced=True,
+           batch={"position": s, "micro_batches": 1, "fingerprint": "aa" * 8, "shapes": []})
+        for s in (40, 140)
+    ]  # fmt: skip
+    f = found(evs)["bad_batch"]
+    assert f.title == "2 bad batches (spikes that did not recur)" and f.severity == 2
+    assert "the same batch (fingerprint aaaaaaaaaaaaaaaa) spiked at steps 40, 140" in f.evidence
+
+
+def test_the_rule_table_in_the_docs_is_the_registry() -> None:
+    """docs/report.md's rule table names exactly the finding ids the rules declare (issue
+    40), and every finding a situation above yields is a declared id."""
+    text = (Path(__file__).parents[1] / "docs" / "report.md").read_text(encoding="utf-8")
+    table = text.split("## The rules and the evidence each needs", 1)[1].split("\n## ", 1)[0]
+    documented = {
+        name for line in table.splitlines() if line.startswith("| `")
+        for name in re.findall(r"`([a-z0-9_]+)`", line.split("|")[1])
+    }  # fmt: skip
+    declared = {i for ids in RULE_IDS.values() for i in ids} | set(OWN_IDS)
+    assert documented == declared, (sorted(declared - documented), sorted(documented - declared))
+    situations = [runs.clean(), runs.corrupt_batch(), runs.lr_x40(), runs.burst(),
+                  runs.lr_creep(), runs.label_noise(), runs.stalled(), runs.memorized(),
+                  runs.nan_buffer(True), runs.nan_buffer(False),
+                  *(runs.weight_fault(op) for op in ("optimizer.step", "update_or_outside",
+                                                     "outside"))]  # fmt: skip
+    assert {r for s in situations for r in rules(s)} <= declared

@@ -38,8 +38,36 @@ WORDS: dict[str, list[str]] = {
     "signal": ["loss", "grad_norm"],
     "reason": ["nonfinite_input", "loss_spike", "bad_data", "repeated_fault", "overflow"],
     "role": ["output[0]", "param:weight.grad", "input[0]"],
+    "code": ["stalled_updates", "loss_trend", "grad_norm_trend", "nonfinite_buffer",
+             "transients"],
 }  # fmt: skip
 text = st.text(max_size=12)
+WORDS["op"] += ["update_or_outside", "outside"]
+WORDS["tensor"] += ["buffer:bn.running_var"]
+WORDS["cause"] = ["nonfinite_buffer", "optimizer_update", "nonfinite_param"]
+# what the guard's warnings, batches and end events hold, with any part missing or wild
+wild = st.one_of(numbers, text, st.none(), st.booleans(), st.lists(numbers, max_size=3),
+                 st.lists(st.integers(-5, 10**6), max_size=3))  # fmt: skip
+EVIDENCE_KEYS = [
+    "layers", "fraction", "window", "samples", "lr", "buffers", "signal", "best_window",
+    "best_mean", "windows", "ratio", "slope_per_step", "rise_step", "changed", "best_start",
+    "best_end", "best_value", "window_starts", "window_values", "rise_start", "lr_best",
+    "lr_rise", "lr_jump", "lr_jump_step", "scale_best", "scale_rise",
+]  # fmt: skip
+evidence = st.dictionaries(
+    st.sampled_from(EVIDENCE_KEYS),
+    st.one_of(
+        wild,
+        st.lists(st.fixed_dictionaries({}, optional={"name": wild, "dtype": wild,
+                                                     "fraction": wild, "numel": wild}),
+                 max_size=3),
+        st.lists(st.lists(numbers, max_size=3), max_size=3),
+        st.fixed_dictionaries({}, optional={"lr": wild, "scale": wild}),
+    ),
+)  # fmt: skip
+batches = st.fixed_dictionaries(
+    {}, optional={"position": wild, "micro_batches": wild, "fingerprint": wild, "shapes": wild}
+)
 
 
 def _string(name: str) -> st.SearchStrategy[str]:
@@ -65,6 +93,17 @@ def _value(name: str, kind: str) -> st.SearchStrategy[Any]:
         strategy = st.lists(st.sampled_from(["float32", "float16", "bfloat16", "x"]), max_size=3)
     elif name == "tensors":
         strategy = st.lists(_tensor_entry(), max_size=4)
+    elif name == "evidence":
+        strategy = evidence
+    elif name == "batch":
+        strategy = batches
+    elif name == "clip":
+        strategy = st.fixed_dictionaries({}, optional={
+            "kind": wild, "max_norm": wild, "norm_measured": st.sampled_from(
+                ["before_clip", "after_clip", "x"])})  # fmt: skip
+    elif name == "nonfinite":
+        names = st.sampled_from(["buffer:bn.running_var", "param:fc.weight"])
+        strategy = st.lists(st.one_of(names, text), max_size=3)
     elif base == "list":
         strategy = st.lists(numbers, max_size=3)
     else:  # dict: a fault's value statistics

@@ -171,7 +171,11 @@ class Level:
 
 
 def _times(r: float) -> str:
-    return f"{r:.2g}x" if r < 10 else f"{r:.0f}x"
+    """A ratio in words: 0.93x, 1.0x, 4.1x, 40x."""
+    if r >= 10:
+        return f"{r:.0f}x"
+    text = f"{r:.2g}"
+    return (text if "." in text or "e" in text else text + ".0") + "x"
 
 
 def applied_losses(steps: Steps) -> list[tuple[int, float]]:
@@ -219,30 +223,41 @@ def schedule_lrs(steps: Steps) -> list[float | None]:
     return out
 
 
-_LR_JUMP = 1.5  # an LR that moved by this factor or more, either way, changed
+_LR_JUMP = 1.5  # an LR that moved by this factor or more changed
 
 
 @dataclass(frozen=True)
 class LrChange:
-    """A jump of the schedule's LR at ``step`` (from ``before`` to ``after``), and whether
-    it lasted (the LR's median from there to the end stayed past the jump's factor)."""
+    """A rise of the schedule's LR at ``step`` (from ``before`` to ``after``), and until
+    which step it lasted (``until``: the first step back within _LR_JUMP of ``before``;
+    None: it stayed up to the end)."""
 
     step: int
     before: float
     after: float
-    lasted: bool
+    until: int | None
+
+    @property
+    def lasted(self) -> bool:
+        return self.until is None
 
     def says(self) -> str:
-        ratio = self.after / self.before
-        way = f"rose {_times(ratio)}" if ratio > 1 else f"fell {_times(1 / ratio)}"
-        kept = "and stayed there" if self.lasted else "for that step only"
-        return f"the LR {way} at step {self.step} ({self.before:.3g} to {self.after:.3g}) {kept}"
+        if self.until is None:
+            kept = "and stayed there"
+        elif self.until == self.step + 1:
+            kept = "for that step only"
+        else:
+            kept = f"until step {self.until}"
+        return (
+            f"the LR rose {_times(self.after / self.before)} at step {self.step} "
+            f"({self.before:.3g} to {self.after:.3g}) {kept}"
+        )
 
 
 def lr_change(steps: Steps, near: int, look_back: int = 50) -> LrChange | None:
-    """The last jump of the schedule's LR (:func:`schedule_lrs`) at or up to
-    ``look_back`` steps before step ``near``; None when the LR is not in the log or did
-    not jump."""
+    """The last rise of the schedule's LR (:func:`schedule_lrs`) by _LR_JUMP or more, at
+    or up to ``look_back`` steps before step ``near``; None when the LR is not in the log
+    or did not rise."""
     lrs = schedule_lrs(steps)
     idx = [j for j, s in enumerate(steps.step) if near - look_back <= s <= near]
     for j in reversed(idx):
@@ -250,13 +265,11 @@ def lr_change(steps: Steps, near: int, look_back: int = 50) -> LrChange | None:
         while k >= 0 and lrs[k] is None:
             k -= 1
         a, b = (lrs[k] if k >= 0 else None), lrs[j]
-        if a is None or b is None or a <= 0 or b <= 0:
+        if a is None or b is None or a <= 0 or b / a < _LR_JUMP:
             continue
-        if b / a >= _LR_JUMP or a / b >= _LR_JUMP:
-            later = [v for v in lrs[j:] if v is not None]
-            typical = statistics.median(later)
-            lasted = typical / a >= _LR_JUMP if b > a else a / typical >= _LR_JUMP
-            return LrChange(steps.step[j], a, b, lasted)
+        until = next((steps.step[m] for m in range(j + 1, len(lrs))
+                      if (v := lrs[m]) is not None and v < _LR_JUMP * a), None)  # fmt: skip
+        return LrChange(steps.step[j], a, b, until)
     return None
 
 
@@ -512,25 +525,6 @@ def update_or_outside(events: RunLog) -> list[Finding]:
     )]  # fmt: skip
 
 
-@_rule("outside_write")
-def outside_write(events: RunLog) -> list[Finding]:
-    """A weight the guard saw good after the update and bad before the next step."""
-    hits = _param_faults(events, "outside")
-    if not hits:
-        return []
-    steps = tuple(e.step for e in hits)
-    names = sorted({_name(e) for e in hits})
-    return [Finding(
-        "outside_write", "A weight was written outside the optimizer update",
-        f"{', '.join(names)} finite right after the update, non-finite before the next step "
-        f"(step(s) {_list(steps)}){_on_ranks(hits)}",
-        f"not the update and not the learning rate: {_OUTSIDE_CAUSE}",
-        f"{_OUTSIDE_FIX}; do not lower the LR for it; the guard rolled back to the last "
-        "snapshot vetted finite",
-        3, steps,
-    )]  # fmt: skip
-
-
 @_rule("bad_optimizer_state")
 def bad_optimizer_state(events: RunLog) -> list[Finding]:
     hits = _param_faults(events, "state")
@@ -571,10 +565,25 @@ def bad_optimizer_state(events: RunLog) -> list[Finding]:
 
 @_rule("bad_parameter")
 def bad_parameter(events: RunLog) -> list[Finding]:
-    hits = _param_faults(events, "weight", "magnitude")
+    """A weight bad before the step: verified written outside the update (op "outside"),
+    an absurd finite magnitude, or non-finite with or without spikes just before."""
+    hits = _param_faults(events, "weight", "magnitude", "outside")
     if not hits:
         return []
     steps = tuple(e.step for e in hits)
+    names = sorted({_name(e) for e in hits})
+    if all(_param_kind(e) == "outside" for e in hits):
+        return [Finding(
+            "bad_parameter", "A weight was written outside the optimizer update",
+            f"{', '.join(names)} finite right after the update, non-finite before the next "
+            f"step (step(s) {_list(steps)}){_on_ranks(hits)}",
+            f"not the update and not the learning rate: {_OUTSIDE_CAUSE}; or memory "
+            "corruption (a flipped bit)",
+            f"{_OUTSIDE_FIX}; do not lower the LR for it; the guard rolled back to the last "
+            "snapshot vetted finite; if it recurs on one machine with no such write, check "
+            "its memory (ECC errors)",
+            3, steps,
+        )]  # fmt: skip
     spikes_before = [
         e for e in [*events.of_kind("spike"), *events.of_kind("lr_backoff")]
         if hits[0].step - 20 <= e.step
@@ -602,7 +611,6 @@ def bad_parameter(events: RunLog) -> list[Finding]:
         )
         fix = ("the guard rolled back to the last verified snapshot; if it recurs on one "
                "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
-    names = sorted({_name(e) for e in hits})
     return [Finding(
         "bad_parameter", title, f"{', '.join(names)} at step(s) {_list(steps)}{_on_ranks(hits)}",
         cause, fix, 3, steps,
@@ -857,8 +865,13 @@ def _not_applied_words(log: RunLog, since: int) -> str:
     )  # fmt: skip
     if not by:
         return "every step applied"
-    parts = ", ".join(f"{REASON_WORDS.get(r, r)}: {n}" for r, n in by.most_common())
-    return f"{sum(by.values())} steps not applied ({parts})"
+    return f"{sum(by.values())} steps not applied ({reason_counts(by)})"
+
+
+def reason_counts(by: Counter[str]) -> str:
+    """Steps not applied by reason, in words, in the order the reasons first came:
+    "loss spikes: 5, after rollback: 8"."""
+    return ", ".join(f"{REASON_WORDS.get(r, r)}: {n}" for r, n in by.items())
 
 
 # A step's reason in a few words, for counts ("loss spikes: 5").
@@ -894,7 +907,8 @@ def _bad_batches(log: RunLog, episodes: list[Episode]) -> Finding:
         "bad_batch",
         "A bad batch (a spike that did not recur)" if len(episodes) == 1
         else f"{len(episodes)} bad batches (spikes that did not recur)",
-        f"{lines}{more}; after each, no spike in the next {_EPISODE_GAP} steps and the loss "
+        f"{lines}{more}; after {'it' if len(episodes) == 1 else 'each'}, no spike in the next "
+        f"{_EPISODE_GAP} steps and the loss "
         f"back within {LEVEL_BAND:.0%} of its level before it{repeat}",
         "one batch, not the training: a corrupted or mislabelled batch (shuffled labels, "
         "inputs off by a factor, a bad shard or file) or a genuine outlier; the training "
@@ -916,8 +930,9 @@ def _sustained(log: RunLog, episodes: list[Episode]) -> Finding:
     rose = change is not None and change.lasted and change.after > change.before
     fps = {fp for e in spikes if (fp := _fingerprint(e)) is not None}
     named = [b for e in spikes[:3] if (b := batch_words(e["batch"]))]
-    backoffs = [e for e in log.of_kind("lr_backoff") if e.step >= first]
-    factor = _num(backoffs[-1]["factor"]) if backoffs else None
+    backoffs = [f for e in log.of_kind("lr_backoff") if e.step >= first
+                and (f := _num(e["factor"])) is not None]  # fmt: skip
+    factor = end_lr_factor(log)
     rollbacks = [e for e in log.of_kind("rollback") if e.step >= first]
     trends = warnings_of(log, "loss_trend", "grad_norm_trend")
     evidence = (
@@ -925,7 +940,8 @@ def _sustained(log: RunLog, episodes: list[Episode]) -> Finding:
         + (f", on {len(fps)} different batches" if len(fps) > 1 else "")
         + f"; {_not_applied_words(log, first)}"
         + (f"; {len(rollbacks)} rollback(s)" if rollbacks else "")
-        + (f"; LR back-offs to a factor {factor:g}" if factor is not None else "")
+        + (f"; LR back-offs down to a factor {min(backoffs):.2g}" if backoffs else "")
+        + (f", {factor:.2g} at the end" if backoffs and factor is not None else "")
         + (f"; {change.says()}" if change is not None else "; no LR change in the log"
            if log.steps.column("lr").count(None) < len(log.steps) else "")
         + (f"; the loss ended {level.times()} its level before step {first}"
@@ -952,7 +968,7 @@ def _sustained(log: RunLog, episodes: list[Episode]) -> Finding:
         )
         fix = "lower the peak LR (or lengthen warmup) and keep gradient clipping on"
     fix += "; the guard's rollbacks and LR back-offs only postpone it" + (
-        f" (its LR factor is {factor:g})" if factor is not None else ""
+        f" (its LR factor is {factor:.2g})" if factor is not None and factor < 1 else ""
     )
     return Finding(
         "sustained_instability", f"Sustained instability from step {first}", evidence, cause,
@@ -1102,7 +1118,7 @@ def loss_nan_unguarded(events: RunLog) -> list[Finding]:
 @_rule("loss_stuck")
 def loss_stuck(events: RunLog) -> list[Finding]:
     losses = [e["loss"] for e in events.steps[-50:] if _finite(e["loss"])]
-    if len(losses) < 30:
+    if len(losses) < 30 or warnings_of(events, "loss_trend"):  # rising is not stuck
         return []
     if max(abs(v) for v in losses) > 700.0:  # no ln(n) of a class count is this large
         return []
@@ -1485,6 +1501,16 @@ def end_nonfinite(events: RunLog) -> list[str]:
     return list(names)
 
 
+def end_lr_factor(events: RunLog) -> float | None:
+    """The guard's LR factor at the end: the ``end`` event's, else the last step's."""
+    ends = ended(events)
+    factor = _num(ends[-1].fields.get("lr_factor")) if ends else None
+    if factor is None:
+        factors = [v for v in events.steps.column("lr_factor") if _finite(v)]
+        factor = factors[-1] if factors else None
+    return factor
+
+
 @_rule("nonfinite_buffer")
 def nonfinite_buffer(events: RunLog) -> list[Finding]:
     """A floating buffer (BatchNorm's running statistics) holding a NaN or inf: a fault
@@ -1498,7 +1524,8 @@ def nonfinite_buffer(events: RunLog) -> list[Finding]:
     for e in faults:
         names[str(e["tensor"] or "buffer:?").removeprefix("buffer:")] = None
     for e in warned:
-        for n in _evidence(e).get("buffers") or []:
+        given = _evidence(e).get("buffers")
+        for n in given if isinstance(given, list) else []:
             names[str(n).removeprefix("buffer:")] = None
     for n in ended:
         names[n.removeprefix("buffer:")] = None
@@ -1596,65 +1623,111 @@ def stalled_updates(events: RunLog) -> list[Finding]:
 _TREND_SIGNALS = {"loss_trend": "loss", "grad_norm_trend": "gradient norm"}
 
 
-def _trend_words(ev: dict[str, Any], signal: str) -> str:
-    """A trend warning's evidence in words: the best window, the windows, the rise."""
-    parts = []
-    best, best_mean = ev.get("best_window"), _num(ev.get("best_mean"))
-    if best_mean is not None:
-        where = " (its best window)"
-        if isinstance(best, list) and len(best) == 2:
-            where = f" (steps {best[0]}-{best[1]}, its best window)"
-        parts.append(f"the {signal} rose from {best_mean:.3g}{where}")
-    else:
-        parts.append(f"the {signal} rose steadily")
-    ratio, slope, rise = _num(ev.get("ratio")), _num(ev.get("slope_per_step")), ev.get("rise_step")
-    if ratio is not None:
-        parts.append(f"{_times(ratio)} its best level")
-    if slope is not None:
-        parts.append(f"{slope:+.3g} a step" + (f" from step {rise}" if type(rise) is int else ""))
-    elif type(rise) is int:
-        parts.append(f"from step {rise}")
-    windows = [w for w in ev.get("windows") or [] if isinstance(w, list) and len(w) == 2
-               and _finite(w[1])]  # fmt: skip
-    if windows:
-        shown = windows if len(windows) <= 8 else [*windows[:3], None, *windows[-4:]]
-        means = ", ".join("..." if w is None else f"{w[1]:.3g}" for w in shown)
-        parts.append(f"mean per window: {means}")
-    return "; ".join(parts)
+def _ints(v: object) -> list[int]:
+    return [x for x in v if type(x) is int] if isinstance(v, list) else []
 
 
-def _trend_change(events: RunLog, ev: dict[str, Any], start: int) -> tuple[str, str | None]:
+@dataclass(frozen=True)
+class Trend:
+    """A trend warning's evidence, read from either shape a log may hold (TrendAlarm's
+    ``best_start``/``window_values``/``lr_best`` ..., or ``best_window``/``windows``/
+    ``changed``); a missing part is None (or empty)."""
+
+    best: tuple[int, int] | None
+    best_value: float | None
+    windows: tuple[tuple[int, float], ...]
+    ratio: float | None
+    slope: float | None
+    rise: int | None
+    lr: tuple[float, float] | None  # the LR over the best window and the rise's start
+    jump: tuple[float, int] | None  # the largest step-to-step LR factor, and its step
+    scale: tuple[float, float] | None
+
+    @classmethod
+    def read(cls, ev: dict[str, Any]) -> Trend:
+        changed: dict[str, Any] = ev["changed"] if isinstance(ev.get("changed"), dict) else {}
+        best = _ints(ev.get("best_window")) or _ints([ev.get("best_start"), ev.get("best_end")])
+        starts = _ints(ev.get("window_starts"))
+        values: list[Any] = ev["window_values"] if isinstance(ev.get("window_values"), list) else []
+        given: list[Any] = ev["windows"] if isinstance(ev.get("windows"), list) else []
+        pairs = [(w[0], float(w[1])) for w in given if isinstance(w, list) and len(w) == 2
+                 and type(w[0]) is int and _finite(w[1])]  # fmt: skip
+        if not pairs and len(starts) == len(values):
+            pairs = [(st, float(v)) for st, v in zip(starts, values, strict=True) if _finite(v)]
+        rise = ev.get("rise_step", ev.get("rise_start"))
+        jump, jump_step = _num(ev.get("lr_jump")), ev.get("lr_jump_step")
+        return cls(
+            (best[0], best[1]) if len(best) == 2 else None,
+            _num(ev.get("best_mean", ev.get("best_value"))),
+            tuple(pairs),
+            _num(ev.get("ratio")),
+            _num(ev.get("slope_per_step")),
+            rise if type(rise) is int else None,
+            _pair(changed.get("lr")) or _pair([ev.get("lr_best"), ev.get("lr_rise")]),
+            (jump, jump_step) if jump is not None and type(jump_step) is int else None,
+            _pair(changed.get("scale")) or _pair([ev.get("scale_best"), ev.get("scale_rise")]),
+        )  # fmt: skip
+
+    def words(self, signal: str) -> str:
+        """The evidence in words: the best window, the rise, the windows."""
+        parts = []
+        if self.best_value is not None:
+            where = (f" (steps {self.best[0]}-{self.best[1]}, its best window)"
+                     if self.best else " (its best window)")  # fmt: skip
+            parts.append(f"the {signal} rose from {self.best_value:.3g}{where}")
+        else:
+            parts.append(f"the {signal} rose steadily")
+        if self.ratio is not None:
+            parts.append(f"{_times(self.ratio)} its best level")
+        if self.slope is not None:
+            parts.append(
+                f"{self.slope:+.3g} a step" + (f" from step {self.rise}" if self.rise else "")
+            )
+        elif self.rise is not None:
+            parts.append(f"from step {self.rise}")
+        if self.windows:
+            w = self.windows
+            shown = w if len(w) <= 8 else (*w[:3], None, *w[-4:])
+            means = ", ".join("..." if x is None else f"{x[1]:.3g}" for x in shown)
+            parts.append(f"median per window: {means}")
+        return "; ".join(parts)
+
+
+def _trend_change(events: RunLog, trend: Trend, start: int) -> tuple[str, str | None]:
     """What changed at a trend's start, in words, and "lr" / "scale" / "none" / None
-    (unknown): the warning's ``changed`` first, else the steps' own LR."""
-    changed: dict[str, Any] = ev["changed"] if isinstance(ev.get("changed"), dict) else {}
-    lr, scale = _pair(changed.get("lr")), _pair(changed.get("scale"))
-    best = ev.get("best_window")
-    if (
-        lr is None
-        and isinstance(best, list)
-        and len(best) == 2
-        and all(type(x) is int for x in best)
-    ):
-        before = window_lr(events.steps, best[0], best[1])
-        after = window_lr(events.steps, start, max(events.steps.step, default=start))
-        lr = (before, after) if before is not None and after is not None else None
+    (unknown): the warning's LR and scale (best window against the rise's start), an LR
+    jump it names, else the steps' own LR from the best window to the end."""
+    lr = trend.lr
+    end = max(events.steps.step, default=start)
+    steps_lr = None
+    if trend.best is not None:
+        before = window_lr(events.steps, *trend.best)
+        after = window_lr(events.steps, start, end)
+        steps_lr = (before, after) if before is not None and after is not None else None
     words: list[str] = []
     what: str | None = None
-    if lr is not None and lr[0] > 0 and lr[1] > 0:
-        r = lr[1] / lr[0]
+    if trend.jump is not None and trend.jump[0] >= _LR_JUMP:
+        words.append(f"the LR jumped {_times(trend.jump[0])} at step {trend.jump[1]}")
+        what = "lr"
+    for pair, span in ((lr, "from the best window to the rise's start"),
+                       (steps_lr, "from the best window to the rise's median")):  # fmt: skip
+        if what == "lr" or pair is None or pair[0] <= 0 or pair[1] <= 0:
+            continue
+        r = pair[1] / pair[0]
         if r >= _LR_JUMP:
-            words.append(f"the LR rose {_times(r)} ({lr[0]:.3g} to {lr[1]:.3g})")
+            words.append(f"the LR rose {_times(r)} {span} ({pair[0]:.3g} to {pair[1]:.3g})")
             what = "lr"
-        elif 1 / r >= _LR_JUMP:
-            words.append(f"the LR fell {_times(1 / r)} ({lr[0]:.3g} to {lr[1]:.3g})")
+        elif what is None:
             what = "none"
-        else:
-            words.append(f"the LR did not change ({lr[1]:.3g})")
-            what = "none"
-    else:
+    if what == "none":
+        assert (lr or steps_lr) is not None
+        known = lr or steps_lr
+        assert known is not None
+        words.append(f"the LR did not rise ({known[0]:.3g} to {known[1]:.3g})")
+    elif what is None:
         words.append("the LR is not in the log")
-    if scale is not None and scale[0] != scale[1]:
-        words.append(f"the loss scale went from {scale[0]:g} to {scale[1]:g}")
+    if trend.scale is not None and trend.scale[0] != trend.scale[1]:
+        words.append(f"the loss scale went from {trend.scale[0]:g} to {trend.scale[1]:g}")
         what = what if what == "lr" else "scale"
     return "; ".join(words), what
 
@@ -1669,15 +1742,15 @@ def slow_divergence(events: RunLog) -> list[Finding]:
     loss = [e for e in hits if e["code"] == "loss_trend"]
     lead = (loss or hits)[0]
     ev = _evidence(lead)
+    trend = Trend.read(ev)
     signal = _TREND_SIGNALS[str(lead["code"])]
-    rise = ev.get("rise_step")
-    start = rise if type(rise) is int else lead.step
-    change, what = _trend_change(events, ev, start)
+    start = trend.rise if trend.rise is not None else lead.step
+    change, what = _trend_change(events, trend, start)
     also = sorted({_TREND_SIGNALS[str(e["code"])] for e in hits} - {signal})
     evidence = (
-        (_trend_words(ev, signal) if ev else str(lead["message"] or f"the {signal} rose"))
+        (trend.words(signal) if ev else str(lead["message"] or f"the {signal} rose"))
         + f"; warned at step {lead.step}" + (f"; the {also[0]} rose too" if also else "")
-        + f"; at its start: {change}"
+        + f"; what changed: {change}"
     )  # fmt: skip
     if what == "lr":
         cause = (

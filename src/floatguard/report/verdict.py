@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from floatguard._event_schema import finite as _finite
 from floatguard.diagnose import (
     LEVEL_BAND,
-    REASON_WORDS,
     Level,
     applied_losses,
+    end_lr_factor,
     end_nonfinite,
     ended,
     loss_level,
+    reason_counts,
     warnings_of,
 )
 from floatguard.events import Event
@@ -67,7 +68,7 @@ def incidents(log: RunLog) -> list[int]:
     ]  # fmt: skip
     for w in warnings_of(log, "loss_trend", "grad_norm_trend"):
         ev = w.fields.get("evidence")
-        rise = ev.get("rise_step") if isinstance(ev, dict) else None
+        rise = ev.get("rise_start", ev.get("rise_step")) if isinstance(ev, dict) else None
         out.append(rise if type(rise) is int and rise <= w.step else w.step)
     return sorted(set(out))
 
@@ -136,14 +137,9 @@ def _loss(log: RunLog, first: int, checks: _Checks) -> None:
 
 
 def _lr_factor(log: RunLog, checks: _Checks) -> None:
-    ends = ended(log)
-    factor = ends[-1].fields.get("lr_factor") if ends else None
-    if not _finite(factor):
-        factors = [v for v in log.steps.column("lr_factor") if v is not None]
-        factor = factors[-1] if factors else None
-    if not _finite(factor):
+    factor = end_lr_factor(log)
+    if factor is None:
         return
-    assert isinstance(factor, (int, float))
     if factor < 1.0 - 1e-6:
         checks.wrong.append(f"the LR factor is {factor:.2g}")
     else:
@@ -156,7 +152,7 @@ def _not_applied(log: RunLog) -> str:
                                             strict=True)
         if a in ("skipped", "rolled_back")
     )  # fmt: skip
-    return ", ".join(f"{REASON_WORDS.get(r, r)}: {n}" for r, n in by.most_common())
+    return reason_counts(by)
 
 
 def verdict_of(events: Iterable[Event]) -> Verdict:
