@@ -11,6 +11,18 @@ where it can, and states the evidence it needs (the run's precision comes from i
 Any log the reader accepts can be diagnosed: fields a schema 1 file lacks are unknown
 (None) and every rule reads them as such; events with a mistyped field are left out
 and reported as a finding of their own (``unreadable_events``).
+
+Words used here: an *applied* step is one whose update was kept; a *level* is the
+median loss of up to LEVEL_STEPS applied steps (:class:`Level`: back within
+LEVEL_BAND of the level before an incident, or not); the *schedule's LR* is a step's
+``lr`` with the guard's ``lr_factor`` taken out (:func:`schedule_lrs`); an *episode*
+is spikes fewer than _EPISODE_GAP steps apart (:func:`spike_episodes`: isolated, a
+burst, or sustained); a batch's *identity* is its position and content fingerprint
+(:func:`batch_words`).
+
+Reading order: :class:`Finding`, :func:`run_info`, the levels and LR changes, then the
+rules in registry order (each ``@_rule`` names the finding ids it may return:
+:data:`RULE_IDS`, the table of ``docs/report.md``), then :func:`diagnose`.
 """
 
 from __future__ import annotations

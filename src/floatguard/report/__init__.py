@@ -6,9 +6,11 @@ page as a data URI, so the page needs no network and no other file. Everything t
 comes from the event log (module names, sources, messages, paths) is HTML-escaped.
 A malformed line of a log is listed with its line number; the rest still renders.
 
-Read top-down: the verdict (healthy / recovered from N faults / died at step N, and
-why), the loss and gradient-norm timelines with skip, rollback and fault markers, the
-loss-scale trajectory, one card per fault, and the diagnosis.
+Read top-down: the verdict (earned: "healthy" only with a finite end state, the loss
+back within its band of the pre-incident level and the LR factor recovered; otherwise
+what is still wrong, or died at step N and why: :mod:`floatguard.report.verdict`), the
+loss, gradient-norm and learning-rate timelines with skip, rollback and fault markers,
+the loss-scale trajectory, one card per fault, and the diagnosis.
 """
 
 from __future__ import annotations
