@@ -45,8 +45,7 @@ def test_the_guarded_demo_finds_every_fault_and_learns(guarded: tuple[object, Pa
     after_spike = [steps[s]["reason"] for s in range(sched["lr_spike"] + 1, sched["lr_spike"] + 8)]
     assert "loss_spike" in after_spike
     rules = {f.rule for f in diagnose(events)}
-    # the flipped bit is written between steps, outside the optimizer (issue 36, item 4)
-    assert {"outside_write", "bad_input", "masked_softmax", "loss_spikes"} <= rules
+    assert {"bad_parameter", "bad_input", "masked_softmax", "loss_spikes"} <= rules
 
 
 def test_the_demo_cap_clips_no_clean_step(guarded: tuple[object, Path]) -> None:
