@@ -548,3 +548,13 @@ def test_the_rule_table_in_the_docs_is_the_registry() -> None:
                   *(runs.weight_fault(op) for op in ("optimizer.step", "update_or_outside",
                                                      "outside"))]  # fmt: skip
     assert {r for s in situations for r in rules(s)} <= declared
+
+
+def test_a_spike_too_near_the_end_is_not_called_a_bad_batch() -> None:
+    late = [*steps([1.0] * 30), ev("spike", 28, signal="loss", value=9.0, reproduced=True)]
+    f = found(late)
+    assert list(f) == ["loss_spikes"]
+    assert f["loss_spikes"].evidence.endswith(
+        "; the run ended 1 applied step(s) after the last: too soon to tell a bad batch from "
+        "the start of an instability"
+    )

@@ -16,8 +16,8 @@ Words used here: an *applied* step is one whose update was kept; a *level* is th
 median loss of up to LEVEL_STEPS applied steps (:class:`Level`: back within
 LEVEL_BAND of the level before an incident, or not); the *schedule's LR* is a step's
 ``lr`` with the guard's ``lr_factor`` taken out (:func:`schedule_lrs`); an *episode*
-is spikes fewer than _EPISODE_GAP steps apart (:func:`spike_episodes`: isolated, a
-burst, or sustained); a batch's *identity* is its position and content fingerprint
+is spikes fewer than 20 steps apart (:func:`spike_episodes`: isolated, a burst, or
+sustained); a batch's *identity* is its position and content fingerprint
 (:func:`batch_words`).
 
 Reading order: :class:`Finding`, :func:`run_info`, the levels and LR changes, then the
@@ -39,6 +39,9 @@ from floatguard._event_schema import finite as _finite
 from floatguard.causes import describe
 from floatguard.events import Event
 from floatguard.runlog import RunLog, Steps, global_view
+from floatguard.stability import _episodes as episodes
+from floatguard.stability._episodes import GAP as EPISODE_GAP
+from floatguard.stability._episodes import SETTLE, classify_spikes
 
 __all__ = ["RULE_IDS", "Finding", "RunInfo", "diagnose", "run_info"]
 
@@ -148,9 +151,9 @@ def clipped_steps(steps: Steps, info: RunInfo) -> tuple[list[int], list[int]]:
 # incident is at most LEVEL_BAND (25%) above the median of up to LEVEL_STEPS applied
 # steps before it (for a loss near 0, within 1e-6); fewer than LEVEL_MIN applied steps on
 # a side: unknown. The report's verdict and the spike rules use it (docs/report.md).
-LEVEL_STEPS = 20
-LEVEL_MIN = 3
-LEVEL_BAND = 0.25
+LEVEL_STEPS = episodes.LEVEL_STEPS  # 20 (one source: the spike episodes use the same)
+LEVEL_MIN = episodes.LEVEL_MIN  # 3
+LEVEL_BAND = episodes.BAND  # 0.25
 _LEVEL_FLOOR = 1e-6
 
 
@@ -204,16 +207,17 @@ def loss_level(
     at: int,
     *,
     upto: int | None = None,
-    n: int = LEVEL_STEPS,
+    n_after: int = LEVEL_STEPS,
 ) -> Level:
     """The :class:`Level` around step ``at`` from ``points`` (:func:`applied_losses`):
-    ``before`` from the ``n`` applied steps before ``at``; ``after`` from the last ``n``
-    applied steps after it, or with ``upto`` the first ``n`` after ``upto``."""
-    before = [v for s, v in points if s < at][-n:]
+    ``before`` from the LEVEL_STEPS applied steps before ``at``; ``after`` from the last
+    ``n_after`` applied steps after it, or with ``upto`` the first ``n_after`` after
+    ``upto``."""
+    before = [v for s, v in points if s < at][-LEVEL_STEPS:]
     if upto is None:
-        after = [v for s, v in points if s > at][-n:]
+        after = [v for s, v in points if s > at][-n_after:]
     else:
-        after = [v for s, v in points if s > upto][:n]
+        after = [v for s, v in points if s > upto][:n_after]
 
     def median(vs: list[float]) -> float | None:
         return statistics.median(vs) if len(vs) >= LEVEL_MIN else None
@@ -783,69 +787,49 @@ def scale_collapse(events: RunLog) -> list[Finding]:
 
 
 # ------------------------------------------------------ spikes: a batch or the training
-# Spikes (not the transients a replay cleared) fewer than _EPISODE_GAP steps apart are one
-# episode. An episode is *isolated* when it is one spike, at least _SETTLE_MIN applied
-# steps follow it and the loss over the next _SETTLE of them is back within the band
-# (Level.back) of the LEVEL_STEPS before it: one batch (bad_batch). The spikes are
-# *sustained* from the first episode that is not isolated when, from there on, there
-# are at least _SUSTAINED spikes and the LR rose there and stayed up (lr_change), or the
-# loss ended above the band of its level before, or a trend warning came (a training that
-# became unstable: sustained_instability). The rest are bursts (loss_spikes): several
-# spikes, then none, the loss back, nothing that lasted.
-_EPISODE_GAP = 20
-_SETTLE = 10
-_SETTLE_MIN = 5
-_SUSTAINED = 3
+# Spikes (not the transients a replay cleared) are grouped into episodes and told apart
+# by floatguard.stability._episodes.classify_spikes (its docstring states the rule):
+# *isolated* (one spike, the loss back, nothing after it: a bad batch, bad_batch),
+# *sustained* (from a change on: a trend warning, a level that stayed up, or repeated
+# spikes after a lasting LR rise: sustained_instability), *burst* or *unresolved* (the
+# rest: loss_spikes).
 
 
 @dataclass(frozen=True)
 class Episode:
-    """Spikes close together: ``kind`` "isolated", "burst" or "sustained" (see above);
-    ``level``: the loss before the first spike and after the last (the next _SETTLE
-    applied steps; for a sustained episode, the run's last LEVEL_STEPS)."""
+    """Spikes close together: ``kind`` "isolated", "burst", "sustained" or "unresolved"
+    (classify_spikes); ``level``: the loss before the first spike and after the last
+    (the next SETTLE applied steps; for a sustained episode, the run's last
+    LEVEL_STEPS); ``change``: the LR's last rise before it; ``reason``: why, in words."""
 
     kind: str
     spikes: tuple[Event, ...]
     level: Level
     change: LrChange | None
+    reason: str = ""
 
 
 def spike_episodes(log: RunLog) -> list[Episode]:
     """The spikes a replay did not clear, as :class:`Episode` (in step order)."""
     spikes = sorted((e for e in log.of_kind("spike") if e["reproduced"] is not False),
                     key=lambda e: e.step)  # fmt: skip
-    groups: list[list[Event]] = []
-    for e in spikes:
-        if groups and e.step - groups[-1][-1].step < _EPISODE_GAP:
-            groups[-1].append(e)
-        else:
-            groups.append([e])
+    if not spikes:
+        return []
     points = applied_losses(log.steps)
-    local = [loss_level(points, g[0].step, upto=g[-1].step, n=_SETTLE) for g in groups]
-    alone = [
-        len(g) == 1 and lv.back is True and lv.n_after >= _SETTLE_MIN
-        for g, lv in zip(groups, local, strict=True)
-    ]
+    lrs = [(s, v) for s, v in zip(log.steps.step, schedule_lrs(log.steps), strict=True)
+           if v is not None]  # fmt: skip
     trends = [w.step for w in warnings_of(log, "loss_trend", "grad_norm_trend")]
-    start = len(groups)  # the first sustained episode (none)
-    for i, g in enumerate(groups):
-        if alone[i] or sum(len(x) for x in groups[i:]) < _SUSTAINED:
-            continue
-        first = g[0].step
-        change = lr_change(log.steps, first)
-        rose = change is not None and change.lasted and change.after > change.before
-        ended_high = loss_level(points, first).back is False
-        if rose or ended_high or any(t >= first - _EPISODE_GAP for t in trends):
-            start = i
-            break
+    found = classify_spikes([e.step for e in spikes], points, trends, lrs=lrs)
+    start = next((ep.steps[0] for ep in found if ep.kind == "sustained"), None)
     out = []
-    for i, g in enumerate(groups):
-        first = g[0].step
-        if i >= start:
-            level, kind = loss_level(points, groups[start][0].step), "sustained"
+    for ep in found:
+        members = tuple(e for e in spikes if e.step in ep.steps)
+        if ep.kind == "sustained" and start is not None:
+            level = loss_level(points, start)
         else:
-            level, kind = local[i], "isolated" if alone[i] else "burst"
-        out.append(Episode(kind, tuple(g), level, lr_change(log.steps, first)))
+            level = loss_level(points, ep.steps[0], upto=ep.steps[-1], n_after=SETTLE)
+        out.append(Episode(ep.kind, members, level, lr_change(log.steps, ep.steps[0]),
+                           ep.reason))  # fmt: skip
     return out
 
 
@@ -920,7 +904,7 @@ def _bad_batches(log: RunLog, episodes: list[Episode]) -> Finding:
         "A bad batch (a spike that did not recur)" if len(episodes) == 1
         else f"{len(episodes)} bad batches (spikes that did not recur)",
         f"{lines}{more}; after {'it' if len(episodes) == 1 else 'each'}, no spike in the next "
-        f"{_EPISODE_GAP} steps and the loss "
+        f"{EPISODE_GAP} steps and the loss "
         f"back within {LEVEL_BAND:.0%} of its level before it{repeat}",
         "one batch, not the training: a corrupted or mislabelled batch (shuffled labels, "
         "inputs off by a factor, a bad shard or file) or a genuine outlier; the training "
@@ -990,6 +974,7 @@ def _sustained(log: RunLog, episodes: list[Episode]) -> Finding:
 
 def _bursts(log: RunLog, episodes: list[Episode]) -> Finding:
     hits = [e for ep in episodes for e in ep.spikes]
+    early = [ep for ep in episodes if ep.kind == "unresolved"]
     again = [e for e in hits if e["reproduced"] is True]
     unknown = [e for e in hits if e["reproduced"] is None]
     rolled = [e for e in log.of_kind("rollback") if e["cause"] is None]
@@ -1025,7 +1010,11 @@ def _bursts(log: RunLog, episodes: list[Episode]) -> Finding:
         "Loss spikes" if signals == ["loss"] else "Spikes in the training signal",
         f"{len(hits)} spike(s) of {', '.join(signals)} at steps {_list(steps)}{told}"
         + (f"; {len(rolled)} rollback(s) after them" if rolled else "")
-        + "; then none, and the loss came back",
+        + (
+            f"; the run ended {min(ep.level.n_after for ep in early)} applied step(s) after "
+            "the last: too soon to tell a bad batch from the start of an instability"
+            if early else "; then none, and the loss came back"
+        ),
         cause,
         "lower the peak LR or lengthen warmup; clip gradients (ZClip adapts the threshold); "
         "look at the batches at those steps",
@@ -1044,9 +1033,9 @@ def loss_spikes(events: RunLog) -> list[Finding]:
         return []
     out = []
     episodes = spike_episodes(events)
-    for kind, make in (("sustained", _sustained), ("isolated", _bad_batches),
-                       ("burst", _bursts)):  # fmt: skip
-        chosen = [ep for ep in episodes if ep.kind == kind]
+    for kinds, make in ((("sustained",), _sustained), (("isolated",), _bad_batches),
+                        (("burst", "unresolved"), _bursts)):  # fmt: skip
+        chosen = [ep for ep in episodes if ep.kind in kinds]
         if chosen:
             out.append(make(events, chosen))
     gone = [e for e in spikes if e["reproduced"] is False]
