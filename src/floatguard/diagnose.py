@@ -1680,9 +1680,10 @@ class Trend:
             parts.append(f"the {signal} rose steadily")
         if self.ratio is not None:
             parts.append(f"{_times(self.ratio)} its best level")
-        if self.slope is not None:
+        if self.slope is not None and self.slope > 0:  # (a flat last window can make it < 0)
             parts.append(
-                f"{self.slope:+.3g} a step" + (f" from step {self.rise}" if self.rise else "")
+                f"{self.slope:+.3g} a step"
+                + (f" from step {self.rise}" if self.rise is not None else "")
             )
         elif self.rise is not None:
             parts.append(f"from step {self.rise}")
@@ -1741,7 +1742,7 @@ def slow_divergence(events: RunLog) -> list[Finding]:
     if not hits:
         return []
     loss = [e for e in hits if e["code"] == "loss_trend"]
-    lead = (loss or hits)[0]
+    lead = (loss or hits)[-1]  # the latest: the trend as far as it went
     ev = _evidence(lead)
     trend = Trend.read(ev)
     signal = _TREND_SIGNALS[str(lead["code"])]
