@@ -122,10 +122,11 @@ def _value_tick(v: float, _pos: object = None) -> str:
     return f"{v:.3g}"
 
 
-def _readable(ax: Any, scale: str) -> None:
+def _readable(ax: Any, scale: str, values: Sequence[float] = ()) -> None:
     """Tick labels a reader can read at any step count and magnitude: at most ~8 integer
     step ticks with thousands separators; on a log y axis one label per decade (every
-    other decade past 8) and unlabelled minor ticks; on a linear one plain numbers, no
+    other decade past 8), minor ticks at 2 and 5 labelled only when ``values`` span
+    under two decades (else unlabelled); on a linear one plain numbers, no
     offset ("+1" over the axis) and a power-of-ten multiplier only past 1e5 or below 1e-4."""
     from matplotlib import ticker
 
@@ -135,13 +136,17 @@ def _readable(ax: Any, scale: str) -> None:
         ax.yaxis.set_major_locator(ticker.LogLocator(base=10, numticks=7))
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(_value_tick))
         ax.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(2.0, 5.0), numticks=12))
-        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        finite = [v for v in values if _finite(v) and v > 0]
+        narrow = bool(finite) and max(finite) < 100 * min(finite)
+        ax.yaxis.set_minor_formatter(
+            ticker.FuncFormatter(_value_tick) if narrow else ticker.NullFormatter()
+        )
     else:
         ax.yaxis.set_major_locator(ticker.MaxNLocator(nbins=6))
         fmt = ticker.ScalarFormatter(useOffset=False)
         fmt.set_powerlimits((-4, 5))
         ax.yaxis.set_major_formatter(fmt)
-    ax.tick_params(labelsize=8)
+    ax.tick_params(which="both", labelsize=8)
 
 
 def _norm_label(info: RunInfo) -> str:
@@ -160,7 +165,7 @@ def _lr_panel(ax: Any, xs: list[float], lr: list[float], factor: list[float]) ->
         ax.plot(xs, lr, lw=1, color="#9467bd", label="learning rate (as applied)")
         ax.set_yscale(scale)
         ax.set_ylabel(f"learning rate ({scale} scale)")
-        _readable(ax, scale)
+        _readable(ax, scale, lr)
     if any(_finite(f) and f != 1.0 for f in factor):
         other = ax.twinx() if scale is not None else ax
         other.step(xs, factor, where="post", lw=1, ls="--", color="#e377c2",
@@ -218,7 +223,7 @@ def _plots(log: RunLog, out: Path) -> Plots:
                     label=label)  # fmt: skip
             ax.set_yscale(scale)
             ax.set_ylabel(f"{name} ({scale} scale)")
-            _readable(ax, scale)
+            _readable(ax, scale, values)
         if with_lr:
             _lr_panel(axes[-1, 0], xs, lr, factor)
         top_ax = axes[0, 0]
