@@ -122,7 +122,8 @@ class TrendPolicy:
     """Complete windows before anything can alarm (at least ``recent + 1``: the best
     window must come before the rise); 5 x 20: the first 100 steps."""
     loss_ratio: float = 1.5
-    """The loss's margin: a window above this times the best window is in a rise."""
+    """The loss's margin: a window surely above this times the best window (see
+    ``confidence``) is in a rise."""
     grad_norm_ratio: float = 3.0
     """The gradient norm's margin (its clean runs swing 2x: leaving a plateau, early
     training)."""
@@ -131,11 +132,13 @@ class TrendPolicy:
     this times the loss's best (0 turns the requirement off)."""
     confidence: float = 2.0
     """How sure a window must be to be above the margin, in standard errors of the
-    window medians: its value less ``confidence`` of its standard errors must exceed
-    the ratio times the best's value plus ``confidence`` of the best's (0: the plain
-    values). A noisy loss's medians jitter; the lowest of many windows is a low
-    outlier, and without this a near-converged classifier's batch-16 loss crossed
-    1.5x its best now and then."""
+    window medians (log scale): its value less ``confidence`` of its standard errors
+    must exceed the ratio times the best's value plus ``max(confidence, sqrt(2 ln n))``
+    of the best's, n the complete windows so far (0: the plain values). A noisy loss's
+    medians jitter and the lowest of many windows is a low outlier: with the plain
+    values, windows of 25 gave 9 false alarms in the benchmark's 19,490 clean steps
+    (near-converged classifiers), and a lognormal loss (sigma 1) one every few thousand
+    steps; with 2, none."""
     hold: float = 0.5
     """The latest window must still lie at least this fraction of the way from the best
     to the first of the last ``recent`` windows (1: no recovery at all allowed; a
@@ -272,15 +275,15 @@ class TrendAlarm:
         f = _g
         name = "loss" if self.signal == "loss" else "gradient norm"
         windows = ", ".join(
-            f"{s}-{e}: {f(v)}"
+            f"{f(v)} ({s}-{e})"
             for s, e, v in zip(
                 self.window_starts, self.window_ends, self.window_values, strict=True
             )
         )
         text = (
-            f"{name} rising since step {self.rise_start} ({self.rise_windows} windows above "
-            f"its margin): median {windows}, {self.ratio:.2f}x its best window (steps "
-            f"{self.best_start}-{self.best_end}: {f(self.best_value)}), "
+            f"{name} {self.ratio:.2f}x its best window (steps {self.best_start}-"
+            f"{self.best_end}: {f(self.best_value)}), above its margin for "
+            f"{self.rise_windows} windows since step {self.rise_start}: medians {windows}, "
             f"{self.slope_per_window:+.3g} a window"
         )
         if self.signal == "grad_norm" and self.loss_ratio is not None:
