@@ -336,7 +336,10 @@ class Locator:
             # its rule is known, or "by the update or outside it" (never guessed).
             before = previous.get(t.key)
             bound = IMPLAUSIBLE if before is None else min(IMPLAUSIBLE, max(FLOOR, JUMP * before))
-            made = self.updates.made(t.tensor, kind, bound)
+            if math.isfinite(v) and why is None:  # finite, past fp16's range (fp16 autocast)
+                made = self.updates.made(t.tensor, "huge", min(bound, limit))
+            else:
+                made = self.updates.made(t.tensor, kind, bound)
             if made is True:
                 op, source = "optimizer.step", why
             elif made is False:
