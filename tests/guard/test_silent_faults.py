@@ -4,6 +4,7 @@ the batch's identity, the end state (issue 36, items 1, 3, 4 and 5)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 import math
 
 import pytest
@@ -262,3 +263,64 @@ def test_a_bad_batch_is_named_by_position_and_content() -> None:
     }
     assert fingerprint([((bad_x.clone(),), {})])[0] == fault["batch"]["fingerprint"]
     guard.close()
+
+
+# 2 and 5. Slow divergence, and a bad batch, through the guard ------------------------
+def _blobs(
+    seed: int, steps: int, lr_at: Callable[[int], float], noise: Callable[[int], float]
+) -> Guard:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(10, 20, generator=g)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.01)
+    guard = Guard(model, opt)
+    for s in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(s)
+        y = torch.randint(0, 10, (64,), generator=g)
+        x = centers[y] + 0.7 * torch.randn(64, 20, generator=g)
+        flip = torch.rand(64, generator=g) < noise(s)
+        y = torch.where(flip, torch.randint(0, 10, (64,), generator=g), y)
+        guard.step(lambda x=x, y=y: F.cross_entropy(model(x), y))
+    guard.close()
+    return guard
+
+
+def _trend_warnings(guard: Guard) -> list[tuple[int, str]]:
+    return [
+        (w.step, w["code"])
+        for w in guard.events.of_kind("warning")
+        if w["code"] in ("loss_trend", "grad_norm_trend")
+    ]
+
+
+def test_label_noise_growing_is_a_loss_trend_warning_and_a_clean_run_has_none() -> None:
+    clean = _blobs(0, 300, lambda s: 1e-3, lambda s: 0.0)
+    assert _trend_warnings(clean) == []
+    noisy = _blobs(0, 300, lambda s: 1e-3, lambda s: 0.6 * s / 300)
+    got = _trend_warnings(noisy)
+    assert got and got[0][1] == "loss_trend"
+    ev = next(w for w in noisy.events.of_kind("warning") if w["code"] == "loss_trend")
+    assert ev["evidence"]["ratio"] >= 1.5
+    # a warning only: every step was applied
+    assert {e["action"] for e in noisy.events.of_kind("step")} == {"applied"}
+
+
+def test_an_lr_x40_from_step_60_is_a_trend_warning_that_names_the_change() -> None:
+    guard = _blobs(0, 300, lambda s: 1e-3 if s < 60 else 4e-2, lambda s: 0.0)
+    got = _trend_warnings(guard)
+    assert got, [w["message"] for w in guard.events.of_kind("warning")]
+    w = next(w for w in guard.events.of_kind("warning") if w["code"] == "loss_trend")
+    assert "lr" in w["message"].lower()
+
+
+def test_the_trend_watch_goes_through_the_guards_state_dict() -> None:
+    noisy = _blobs(0, 120, lambda s: 1e-3, lambda s: 0.0)
+    sd = noisy.state_dict()
+    assert sd["trend"] == noisy._trend.state_dict()  # (the test reads the guard's part)
+    model = nn.Linear(20, 10)
+    other = Guard(model, torch.optim.AdamW(model.parameters()))
+    other.load_state_dict(sd)
+    assert other.state_dict()["trend"] == sd["trend"]
+    other.close()

@@ -48,6 +48,7 @@ from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolic
 from floatguard.stability.snapshot import Snapshot
 from floatguard.stability.spike_watch import SpikeDetector, SpikeWatch
 from floatguard.stability.step_state import StepState
+from floatguard.stability.trend import TrendPolicy, TrendWatch
 
 __all__ = ["Guard"]
 
@@ -66,6 +67,11 @@ class Guard(GuardPersistence):
         step_scheduler: False when the caller steps the scheduler itself (a framework
             stepping ReduceLROnPlateau on its evaluation metric): the guard then only
             keeps it in its snapshots and restores it on a rollback.
+        trend: the slow-divergence watch's settings (default :class:`TrendPolicy`): a
+            sustained rise of the loss (or the gradient norm) against the run's best
+            window is a ``warning`` (``loss_trend`` / ``grad_norm_trend``) with its
+            evidence, never a response; ``TrendPolicy(watch_loss=False,
+            watch_grad_norm=False)`` turns it off.
         clipped_before: the gradients reach the guard already clipped by the caller (a
             framework's own clipping, as the Trainer's ``max_grad_norm``): the gradient
             norm it reads and reports is the clipped one, and its ``run`` event says so
@@ -118,6 +124,7 @@ class Guard(GuardPersistence):
         peer_grace_s: float | None = 10.0,
         step_scheduler: bool = True,
         clipped_before: bool = False,
+        trend: TrendPolicy | None = None,
     ) -> None:
         check_args(model, optimizer, precision, watch, scaler, stats_every)
         if distributed is None:
@@ -188,6 +195,7 @@ class Guard(GuardPersistence):
         self._updates = UpdateCheck(optimizer)
         names = {id(p): n for n, p in named_root(model).named_parameters()}
         self._stall = StallWatch(optimizer, names)
+        self._trend = TrendWatch(trend)
         self._inputs = BatchInputs(model)
         self._step_inputs: list[tuple[Any, ...]] = []
         self._ended = False
@@ -421,6 +429,7 @@ class Guard(GuardPersistence):
     def _act(self, step: int, read: StepRead, verdict: Verdict) -> StepResult:
         scale = self._scaler.get_scale()
         lr = self._lr(verdict.decision.state.lr_factor)  # what the update uses
+        schedule_lr = self._lr(1.0)  # the schedule's, the guard's back-off left out
         batch = (
             self._inputs.identity(step, self._step_inputs)
             if verdict.fault is not None or verdict.spike is not None
@@ -432,6 +441,8 @@ class Guard(GuardPersistence):
             self._ladder = verdict.decision.state
             raise
         self._previous_applied = action == "applied"
+        if self._previous_applied:
+            self._observe_trend(step, read, schedule_lr, scale)
         if self._previous_applied and self._stall.active:
             stalled = self._stall.after(step)  # on its sampled steps only
             if stalled is not None:
@@ -455,6 +466,19 @@ class Guard(GuardPersistence):
         )
         self._emit.step(result)
         return result
+
+    def _observe_trend(self, step: int, read: StepRead, lr: float | None, scale: float) -> None:
+        """An applied step's loss and norm into the trend watch; its alarms as warnings."""
+        alarms = self._trend.observe(
+            step, read.loss, read.grad_norm, lr, scale if self._scaler.enabled else None
+        )
+        for alarm in alarms:
+            self._emit.warning(
+                step,
+                alarm.message,
+                code=f"{alarm.signal}_trend",
+                evidence=alarm.evidence(),
+            )
 
     def _lr(self, factor: float) -> float | None:
         """The LR a step's update uses: the first group's, times the LR factor."""

@@ -54,6 +54,7 @@ class GuardPersistence:
     zclip: Any
     loss_detector: Any
     norm_detector: Any
+    _trend: Any
 
     def _discard(self) -> None:
         raise NotImplementedError
@@ -194,13 +195,17 @@ class GuardPersistence:
         callback's): step counter, counters, loss scaler, clipper and spike detectors.
         Not the model, optimizer or scheduler (the framework saves those)."""
         counters = {**self._ladder.to_meta(), "snapshots": self._keeper.taken}
-        return guard_state_dict(self.step_count, counters, self._own_parts())
+        sd = guard_state_dict(self.step_count, counters, self._own_parts())
+        sd["trend"] = self._trend.state_dict()
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (a guard configured the same way).
         The guard then continues the run its ``snapshot_dir`` belongs to (as after
         :meth:`resume`), so a framework's resume keeps the folder's snapshots its own."""
         step_count, counters = load_guard_state_dict(sd, self._own_parts())
+        if "trend" in sd:  # (a state saved before the trend watch has none)
+            self._trend.load_state_dict(sd["trend"])
         self._keeper.continue_run()
         self.step_count = step_count
         self._load_counters(counters)
