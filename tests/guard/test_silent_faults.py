@@ -4,8 +4,8 @@ the batch's identity, the end state (issue 36, items 1, 3, 4 and 5)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
