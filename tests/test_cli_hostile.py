@@ -256,7 +256,7 @@ def test_a_full_disk_under_the_report_is_one_line(
     log = EventLog(run)
     for i in range(3):
         log.emit("step", i, action="applied", reason=None, loss=1.0 / (i + 1), grad_norm=1.0,
-                 clip_coef=1.0, scale=1.0, lr_factor=1.0)  # fmt: skip
+                 clip_coef=1.0, scale=1.0, lr_factor=1.0, lr=None)  # fmt: skip
     log.close()
     out = tmp_path / "report"
     out.mkdir()

@@ -123,7 +123,7 @@ def test_the_report_escapes_and_survives_a_broken_log(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "run.jsonl")
     for i in range(3):
         log.emit("step", i, action="applied", reason=None, loss=1.0 / (i + 1), grad_norm=1.0,
-                 clip_coef=1.0, scale=1.0, lr_factor=1.0)  # fmt: skip
+                 clip_coef=1.0, scale=1.0, lr_factor=1.0, lr=None)  # fmt: skip
     log.emit("fault", 2, phase="forward", module="<script>alert(1)</script>", tensor="output",
              kind_of_value="nan", shape=[2], op="aten.log.default",
              source='x.py:1: y = "<b>"', deterministic=True, stats=None,

@@ -26,7 +26,7 @@ def _write(log: EventLog, rank: int) -> None:
         bad = step == 3
         log.emit("step", step, action="skipped" if bad else "applied",
                  reason="nonfinite_input" if bad else None, loss=math.nan if bad else 1.0,
-                 grad_norm=1.0, clip_coef=1.0, scale=1.0, lr_factor=1.0)  # fmt: skip
+                 grad_norm=1.0, clip_coef=1.0, scale=1.0, lr_factor=1.0, lr=None)  # fmt: skip
         if bad:  # every rank logs the agreed fault, born on rank 1
             log.emit("fault", step, phase="input", module="", tensor="input[0]",
                      kind_of_value="nan", shape=[4], op="input", source=None,

@@ -78,8 +78,21 @@ def test_each_rank_supersedes_its_own() -> None:
 
 def test_the_report_verdict_of_a_resumed_run() -> None:
     events = _run(0, cut=8, resume_at=2, n=10)
-    v = verdict_of(events)
+    # a steady loss and a finite end state: the verdict is earned (issue 36, item 9)
+    flat = [
+        Event(e.kind, e.step, {**e.fields, "loss": 1.0}, e.time, e.rank) if e.kind == "step" else e
+        for e in events
+    ]
+    end = {"state_finite": True, "nonfinite": [], "lr_factor": 1.0}
+    flat.append(Event("end", 10, end, 99.0, 0))
+    v = verdict_of(flat)
     assert (v.state, v.steps, v.faults) == ("recovered", 10, 1)
-    assert v.text.endswith("the run ended healthy; resumed 1 time(s), from step 2")
+    assert v.text.endswith(
+        "the run ended healthy: the end state is finite, the loss is back within 25% (1.0x "
+        "its level before step 3) and the LR factor is back to 1; resumed 1 time(s), from "
+        "step 2"
+    )
+    # the rising loss of the raw log (0, 1, ... 9) did not come back: not healthy
+    assert "healthy" not in verdict_of(events).text
     never_resumed = verdict_of([e for e in events if e.kind != "resume"])
     assert never_resumed.state == "died" and never_resumed.text.startswith("Stopped at step 7")

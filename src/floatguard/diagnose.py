@@ -591,8 +591,9 @@ def bad_parameter(events: RunLog) -> list[Finding]:
     if all(_param_kind(e) == "outside" for e in hits):
         return [Finding(
             "bad_parameter", "A weight was written outside the optimizer update",
-            f"{', '.join(names)} finite right after the update, non-finite before the next "
-            f"step (step(s) {_list(steps)}){_on_ranks(hits)}",
+            f"{', '.join(names)} went bad between two steps, and the last update could not "
+            "have made it (its step there, recomputed from the optimizer's state, is finite "
+            f"and small) (step(s) {_list(steps)}){_on_ranks(hits)}",
             f"not the update and not the learning rate: {_OUTSIDE_CAUSE}; or memory "
             "corruption (a flipped bit)",
             f"{_OUTSIDE_FIX}; do not lower the LR for it; the guard rolled back to the last "

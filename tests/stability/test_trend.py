@@ -172,12 +172,16 @@ def test_clean_sequences_do_not_alarm(obs: list[Obs]) -> None:
 
 def test_nothing_before_warmup_windows() -> None:
     """The loss is 5x higher from step 50 on. The window 40-59 straddles the jump (half
-    its values each side: its median is uncertain by far more than the margin), so the
-    rise starts at 60; nothing is judged before five windows (step 99); with eight,
-    step 159."""
+    its values each side: its median is uncertain by far more than the margin), so by
+    the standard errors alone (climb=0) the rise starts at 60; the steady climb (20-39,
+    40-59, 60-79, 80-99 each above the one before) counts the straddling window, past
+    the ratio by value, as the rise's start: 40 (the jump, at 50, lies in it). Nothing
+    is judged before five windows (step 99); with eight, step 159."""
     obs = _stream(lambda s: 0.5 if s < 50 else 2.5, 400)
-    assert [(a.step, a.rise_start) for a in _feed(obs)] == [(99, 60)]
-    late = _feed(obs, TrendWatch(TrendPolicy(warmup_windows=8)))
+    assert [(a.step, a.rise_start) for a in _feed(obs)] == [(99, 40)]
+    plain = _feed(obs, TrendWatch(TrendPolicy(climb=0)))
+    assert [(a.step, a.rise_start) for a in plain] == [(99, 60)]
+    late = _feed(obs, TrendWatch(TrendPolicy(warmup_windows=8, climb=0)))
     assert [(a.step, a.rise_start) for a in late] == [(159, 60)]
 
 

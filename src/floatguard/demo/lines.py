@@ -70,7 +70,12 @@ def _fault(f: dict[str, Any]) -> str:
     tensor = printable(_get(f, "tensor") or "", 80)
     where = f"{module} {tensor}".strip() if module else f"the data ({tensor or 'input'})"
     op = _get(f, "op")
-    made = f", made by {printable(op, 60)}" if op and op not in ("input", "parameter") else ""
+    made = {
+        "outside": ", written outside the optimizer update",
+        "update_or_outside": ", written by the update or outside it",
+        "buffer": "",
+        "magnitude": "",
+    }.get(op, f", made by {printable(op, 60)}" if op and op not in ("input", "parameter") else "")
     return f"{what} in {where}{made}"
 
 
@@ -160,6 +165,16 @@ def _other(kind: str, f: dict[str, Any]) -> Line:
         return Line(f"snapshot {bad} unreadable; used {used}", "yellow")
     if kind == "resume":
         return Line(f"resumed from step {_num(_get(f, 'from_step'))}", "")
+    if kind == "end":
+        ends: list[Any] = list(_get(f, "nonfinite") or [])
+        state = {True: "finite", False: "NOT finite", None: "not checked"}.get(
+            _get(f, "state_finite"), "not checked"
+        )
+        listed = f" ({printable(', '.join(map(str, ends[:4])), 120)})" if ends else ""
+        factor = _get(f, "lr_factor")
+        lr = "" if factor in (None, 1, 1.0) else f"; LR factor {_num(factor)}"
+        style = "" if _get(f, "state_finite") is True else "bold red"
+        return Line(f"end: weights, optimizer state and buffers {state}{listed}{lr}", style)
     parts = [f"{printable(k, 30)}={_brief(v)}" for k, v in f.items() if v is not None]
     return Line(printable(f"{kind} " + ", ".join(parts)), "")
 

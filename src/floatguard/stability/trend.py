@@ -149,9 +149,10 @@ class TrendPolicy:
     climb: int = 4
     """A steady climb counts as surely above the margin too: this many consecutive
     windows, each above the one before, the latest above the ratio times the best by
-    value (no standard errors: a monotone run of ``climb`` medians is itself the
-    evidence; a noisy flat loss rarely climbs 4 windows in a row, and never to 1.5x its
-    best). Label noise growing to 60% over 300 steps at lr 1e-3 (the loss 1.8x its best
+    value over the best window raised by ``confidence / 2`` of its standard errors (the
+    latest window's own noise is not subtracted: a monotone run of ``climb`` medians is
+    itself the evidence; a noisy flat loss rarely climbs 4 windows in a row, and not to
+    1.5x its best). Label noise growing to 60% over 300 steps at lr 1e-3 (the loss 1.8x its best
     at the end, within the standard-error margin) is told this way. 0 turns it off."""
     watch_loss: bool = True
     watch_grad_norm: bool = True
@@ -342,6 +343,7 @@ class _Track:
     alarmed: float | None = None  # the window value last alarmed on (None: armed)
     alarmed_step: int | None = None
     climb: int = 1  # consecutive windows each above the one before, ending at the latest
+    climb_above: int = 0  # of those, the latest ones past the ratio (by value)
 
 
 class TrendWatch:
@@ -427,16 +429,23 @@ class TrendWatch:
         if v is None:
             return
         before = self._windows[-2].value(s) if len(self._windows) >= 2 else None
-        t.climb = t.climb + 1 if before is not None and v > before else 1
-        climbing = (
-            self.policy.climb > 0
-            and t.climb >= self.policy.climb
-            and t.best is not None
-            and (b := t.best.value(s)) is not None
+        rising = before is not None and v > before
+        t.climb = t.climb + 1 if rising else 1
+        b = t.best.value(s) if t.best is not None else None
+        past = (
+            t.best is not None
+            and b is not None
             and b > 0
-            and v > ratio * b
+            and v > ratio * t.best.bound(s, self.policy.confidence / 2)
         )
-        if t.best is not None and (climbing or self._above(w, t.best, s, ratio)):
+        t.climb_above = t.climb_above + 1 if rising and past else 0
+        climbing = self.policy.climb > 0 and t.climb >= self.policy.climb and past
+        if climbing:  # the climb's windows past the ratio are the rise
+            kept = list(self._windows)[-min(t.climb_above, len(self._windows)) :]
+            if t.rise is None:
+                t.rise = kept[0]
+            t.rise_windows = max(t.rise_windows + 1, len(kept))
+        elif t.best is not None and self._above(w, t.best, s, ratio):
             if t.rise is None:
                 t.rise = w
             t.rise_windows += 1
@@ -458,8 +467,13 @@ class TrendWatch:
         v, b = w.value(s), best.value(s)
         if v is None or b is None or b <= 0:
             return False
-        z_best = max(z, math.sqrt(2 * math.log(max(self._complete, 1)))) if z > 0 else 0.0
-        return w.bound(s, -z) > ratio * best.bound(s, z_best)
+        return w.bound(s, -z) > ratio * best.bound(s, self._z_best())
+
+    def _z_best(self) -> float:
+        """How many standard errors the best window is raised by before comparing: the
+        lowest of n windows is low by about ``sqrt(2 ln n)`` of them by chance."""
+        z = self.policy.confidence
+        return max(z, math.sqrt(2 * math.log(max(self._complete, 1)))) if z > 0 else 0.0
 
     def _decide(self, s: TrendSignal, w: _Window) -> TrendAlarm | None:
         p, t = self.policy, self._track[s]
@@ -551,6 +565,7 @@ class TrendWatch:
                 "alarmed": t.alarmed,
                 "alarmed_step": t.alarmed_step,
                 "climb": t.climb,
+                "climb_above": t.climb_above,
             }
             for s, t in self._track.items()
         }
@@ -585,6 +600,7 @@ class TrendWatch:
                 None if x["best"] is None else _Window(**x["best"]),
                 None if x["rise"] is None else _Window(**x["rise"]),
                 int(x["rise_windows"]), x["alarmed"], x["alarmed_step"], int(x.get("climb", 1)),
+                int(x.get("climb_above", 0)),
             )  # fmt: skip
 
 
