@@ -433,7 +433,7 @@ def test_names_from_a_log_cannot_drive_the_terminal(
         log.emit("fault", i, phase="forward", module="\x1b[2J\x1b[31mevil", tensor="output",
                  kind_of_value="nan", shape=[1], op="aten.exp.default\x07", source=None,
                  deterministic=True, stats=None, fault_rank=None, cause=None,
-                 input_amax=None)  # fmt: skip
+                 input_amax=None, batch=None)  # fmt: skip
     log.close()
     with open(tmp_path / "events.jsonl", "a") as fh:
         fh.write('{"kind": "step", "step": 9, "loss": "\\u001b[2J"}\n')  # mistyped: skipped

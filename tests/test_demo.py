@@ -127,7 +127,7 @@ def test_the_report_escapes_and_survives_a_broken_log(tmp_path: Path) -> None:
     log.emit("fault", 2, phase="forward", module="<script>alert(1)</script>", tensor="output",
              kind_of_value="nan", shape=[2], op="aten.log.default",
              source='x.py:1: y = "<b>"', deterministic=True, stats=None,
-             fault_rank=None, cause="nonfinite_loss", input_amax=None)  # fmt: skip
+             fault_rank=None, cause="nonfinite_loss", input_amax=None, batch=None)  # fmt: skip
     log.close()
     with open(tmp_path / "run.jsonl", "a") as fh:
         fh.write("not json\n")

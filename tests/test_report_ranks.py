@@ -31,7 +31,7 @@ def _write(log: EventLog, rank: int) -> None:
             log.emit("fault", step, phase="input", module="", tensor="input[0]",
                      kind_of_value="nan", shape=[4], op="input", source=None,
                      deterministic=True, stats=None, fault_rank=1,
-                     cause="nonfinite_input", input_amax=None)  # fmt: skip
+                     cause="nonfinite_input", input_amax=None, batch=None)  # fmt: skip
         if step == 4:
             t = _tensor(2.0 + rank, -3 + rank, [1, 2], 0.1 * (rank + 1), 10 * (rank + 1))
             log.emit("stats", step, tensors=[t])
