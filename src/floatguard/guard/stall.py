@@ -19,7 +19,9 @@ parameters (no gradient, or not in the optimizer) are not measured either.
 
 The warning: over the last ``window`` samples, a layer whose mean lost fraction is at
 least ``threshold`` ("most elements") is named, with the fraction, in one ``warning``
-event (code ``stalled_updates``), once per layer. Not at the end of a schedule: a
+event (code ``stalled_updates``), once per run: only when most of that layer's sampled
+elements also never moved since the window's first sample (an update lost on one step
+and made on the next is noise; a weight that never moves has stopped learning). Not at the end of a schedule: a
 sample taken while the LR is below ``lr_floor`` times the largest LR the group has used
 so far (a cosine or linear decay's tail, where tiny updates are intended) does not
 count, and resets the window: an update lost there is the schedule's choice, not a
@@ -83,6 +85,10 @@ class StallWatch:
         self._peak: list[float] = [0.0] * len(optimizer.param_groups)
         self._lr = 0.0
         self.warned: set[str] = set()
+        # the sampled values as the window's first sample began: a layer is only said
+        # to stall when most of its sampled elements also never moved since then
+        self._origins: list[dict[str, torch.Tensor]] = []  # per kept sample: its befores
+        self._unmoved: dict[str, float] = {}
 
     def before(self, lr_factor: float) -> None:
         """Before ``optimizer.step()`` of an applied step: on a sampled one, copy each
@@ -97,7 +103,7 @@ class StallWatch:
         low = False
         for i, group in enumerate(self.optimizer.param_groups):
             lr = group.get("lr")
-            if not isinstance(lr, (int, float)):
+            if not isinstance(lr, (int, float)) or not lr:
                 continue
             lr = float(lr) * lr_factor
             self._peak[i] = max(self._peak[i], lr)
@@ -106,10 +112,13 @@ class StallWatch:
         if low:  # a schedule's tail: tiny updates are intended (see the module)
             self._history.clear()
             self._steps.clear()
+            self._origins.clear()
             return
         pending: list[_Sample] = []
         with torch.no_grad():
             for group in self.optimizer.param_groups:
+                if not group.get("lr"):  # lr 0: a group frozen by its LR moves by design
+                    continue
                 for p in group["params"]:
                     g = p.grad
                     if g is None or not _narrow(p) or g.layout != torch.strided:
@@ -134,15 +143,24 @@ class StallWatch:
             return None
         pending, self._pending = self._pending, []
         with torch.no_grad():
+            self._origins.append({s.name: s.before for s in pending})
+            del self._origins[: -self.window]
+            first = self._origins[0]
             counts = []
             for s in pending:
                 now = s.param.detach().reshape(-1)[s.index]
                 lost = s.intended & (now == s.before)
-                counts += [lost.sum(), s.intended.sum()]
-            values = torch.stack(counts).tolist()  # the sampled step's read
+                origin = first.get(s.name, s.before)
+                same = origin.shape == now.shape
+                unmoved = (now == origin).sum() if same else torch.zeros((), device=now.device)
+                counts += [lost.sum(), s.intended.sum(), unmoved, now.new_tensor(now.numel())]
+            values = torch.stack([c.double() for c in counts]).tolist()  # the sampled read
         self._history.append(
-            {s.name: (int(values[2 * i]), int(values[2 * i + 1])) for i, s in enumerate(pending)}
+            {s.name: (int(values[4 * i]), int(values[4 * i + 1])) for i, s in enumerate(pending)}
         )
+        self._unmoved = {
+            s.name: values[4 * i + 2] / max(values[4 * i + 3], 1.0) for i, s in enumerate(pending)
+        }
         self._steps.append(step)
         del self._history[: -self.window]
         del self._steps[: -self.window]
@@ -155,9 +173,12 @@ class StallWatch:
                 acc[0] += lost_n
                 acc[1] += count
         fractions = {name: lost / n for name, (lost, n) in totals.items() if n}
-        stalled = [n for n, f in fractions.items() if f >= self.threshold]
-        new = [n for n in stalled if n not in self.warned]
-        if not new:
+        stalled = [
+            n
+            for n, f in fractions.items()
+            if f >= self.threshold and self._unmoved.get(n, 1.0) >= self.threshold
+        ]
+        if not stalled or self.warned:
             return None
         self.warned.update(stalled)
         lost_all = sum(t[0] for t in totals.values())
@@ -177,6 +198,7 @@ class StallWatch:
             "window": [self._steps[0], self._steps[-1]],
             "samples": len(self._history),
             "lr": self._lr,
+            "unmoved": {n: round(self._unmoved.get(n, 0.0), 4) for n in layers},
         }
 
     @staticmethod
@@ -187,9 +209,9 @@ class StallWatch:
         a, b = evidence["window"]
         return (
             f"updates lost to rounding in 16-bit weights: over steps {a}-{b}, "
-            f"{evidence['fraction']:.0%} of the sampled elements with a nonzero gradient did "
-            f"not move; most elements of {named}{more} stopped learning at lr "
-            f"{evidence['lr']:.3g}. Keep fp32 master weights (floatguard.MasterWeights, or "
+            f"{evidence['fraction']:.0%} of the sampled updates (elements with a nonzero "
+            f"gradient) rounded back to the same weight, and most sampled elements of "
+            f"{named}{more} never moved over the window, at lr {evidence['lr']:.3g}. Keep fp32 master weights (floatguard.MasterWeights, or "
             "autocast with fp32 weights), or use stochastic rounding / Kahan-compensated "
             "updates; raise the LR only if that is the intent"
         )
