@@ -21,9 +21,9 @@ The warning: over the last ``window`` samples, a layer whose mean lost fraction 
 least ``threshold`` ("most elements") is named, with the fraction, in one ``warning``
 event (code ``stalled_updates``), once per run: only when most of that layer's sampled
 elements also never moved since the window's first sample (an update lost on one step
-and made on the next is noise; a weight that never moves has stopped learning). Not at the end of a schedule: a
-sample taken while the LR is below ``lr_floor`` times the largest LR the group has used
-so far (a cosine or linear decay's tail, where tiny updates are intended) does not
+and made on the next is noise; a weight that never moves has stopped learning). Not at
+the end of a schedule: a sample taken while the LR is below ``lr_floor`` times the
+largest LR the group has used so far (a cosine or linear decay's tail, where tiny updates are intended) does not
 count, and resets the window: an update lost there is the schedule's choice, not a
 precision bug.
 """
@@ -211,7 +211,9 @@ class StallWatch:
             f"updates lost to rounding in 16-bit weights: over steps {a}-{b}, "
             f"{evidence['fraction']:.0%} of the sampled updates (elements with a nonzero "
             f"gradient) rounded back to the same weight, and most sampled elements of "
-            f"{named}{more} never moved over the window, at lr {evidence['lr']:.3g}. Keep fp32 master weights (floatguard.MasterWeights, or "
-            "autocast with fp32 weights), or use stochastic rounding / Kahan-compensated "
-            "updates; raise the LR only if that is the intent"
+            f"{named}{more} never moved over the window, at lr {evidence['lr']:.3g}. "
+            "Keep the weights in fp32 and compute in 16 bits (Guard(precision='bf16'): "
+            "autocast over fp32 weights), or fp32 master weights (floatguard.MasterWeights "
+            "in a loop of your own), or stochastic rounding / Kahan-compensated updates; "
+            "raise the LR only if that is the intent"
         )
