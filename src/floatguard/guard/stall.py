@@ -23,9 +23,9 @@ event (code ``stalled_updates``), once per run: only when most of that layer's s
 elements also never moved since the window's first sample (an update lost on one step
 and made on the next is noise; a weight that never moves has stopped learning). Not at
 the end of a schedule: a sample taken while the LR is below ``lr_floor`` times the
-largest LR the group has used so far (a cosine or linear decay's tail, where tiny updates are intended) does not
-count, and resets the window: an update lost there is the schedule's choice, not a
-precision bug.
+largest LR the group has used so far (a cosine or linear decay's tail, where tiny
+updates are intended) does not count, and resets the window: an update lost there is
+the schedule's choice, not a precision bug.
 """
 
 from __future__ import annotations
