@@ -66,7 +66,13 @@ def test_state_dict_and_snapshot_meta_keys(tmp_path: Path) -> None:
         xi = x * math.nan if i == 1 else x
         guard.step(lambda xi=xi: F.mse_loss(model(xi).float(), y))
     sd = guard.state_dict()
-    assert set(sd) == {"step_count", "counters", "scaler", "zclip", "loss_detector"}
+    assert set(sd) == {"step_count", "counters", "scaler", "zclip", "loss_detector", "trend"}
+    # a state saved before the trend watch (issue 36) has no "trend": still loaded
+    older = {k: v for k, v in sd.items() if k != "trend"}
+    again = Guard(model, opt, precision="fp16", scaler=DynamicLossScaler(init_scale=8.0))
+    again.load_state_dict(older)
+    assert again.step_count == 5
+    again.close()
     assert set(sd["counters"]) == OLD_COUNTERS | NEW_COUNTERS
     assert sd["step_count"] == 5 and sd["counters"]["good"] == 4
     snap = guard.last_snapshot

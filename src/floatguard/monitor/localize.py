@@ -21,6 +21,13 @@ RecordKind = Literal[
 ]
 
 
+_SAID = {
+    "outside": ", written outside the optimizer update",
+    "update_or_outside": ", written by the update or outside it",
+    "buffer": "",
+}
+
+
 @dataclass(frozen=True)
 class Fault:
     """A non-finite value and where it was born.
@@ -62,10 +69,14 @@ class Fault:
         on = f" on rank {self.rank}" if self.rank is not None else ""
         what = "an absurd finite value" if self.kind == "huge" else self.kind
         text = f"step {self.step}: {what} born in {where}{on} ({self.phase}, {self.tensor})"
-        if self.op is not None:
-            text += f" by {self.op}"
-        if self.source is not None:
-            text += f" at {self.source}"
+        said = _SAID.get(self.op or "")
+        if said is not None:  # who wrote a bad state tensor, in words (the guard's check)
+            text += said + (f": {self.source}" if self.source is not None else "")
+        else:
+            if self.op is not None:
+                text += f" by {self.op}"
+            if self.source is not None:
+                text += f" at {self.source}"
         if self.deterministic is not None:
             text += " [deterministic]" if self.deterministic else " [transient]"
         return text
