@@ -45,6 +45,10 @@ FIELD_TYPES: dict[str, dict[str, str]] = {
     "resume": {"from_step": "int?", "path": "str?", "newest_step": "int?", "ranks_behind": "list?"},
     "warning": {"transients": "int?", "message": "str?", "code": "str?", "evidence": "dict?"},
     "stats": {"tensors": "list?"},
+    "repro": {
+        "path": "str?", "level": "str?", "bytes": "int?", "seconds": "num?",
+        "tape_ops": "int?", "reproduced": "bool?",
+    },
     "stop": {"reason": "str?", "fault": "str?"},
     "end": {
         "state_finite": "bool?", "nonfinite": "list?", "lr_factor": "num?", "lr": "num?",

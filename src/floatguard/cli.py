@@ -1,5 +1,5 @@
 """The ``floatguard`` command line: ``demo``, ``report``, ``diagnose``, ``audit``,
-``formats``, ``explain``.
+``repro``, ``formats``, ``explain``.
 
 User mistakes (a bad option, a missing file, an unwritable or full folder, an unknown
 command, an audit target that fails) are one red line on stderr and exit code 2,
@@ -463,6 +463,105 @@ def diagnose_cmd(
     for p in problems:
         _err.print(f"[yellow]skipped[/yellow] {escape(printable(p, 2000))}", markup=True)
     _print_findings(found)
+
+
+@app.command(name="repro")
+def repro_cmd(
+    bundle: Annotated[
+        Path, typer.Argument(help="A repro bundle (repro-step<N>-<key>.fgr) the guard wrote.")
+    ],
+    device: Annotated[
+        str, typer.Option("--device", help="Where to re-run it: cpu (default), cuda, cuda:1.")
+    ] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    script: Annotated[
+        Path | None,
+        typer.Option(
+            "--script",
+            help="Write a standalone PyTorch script there (and its tensors beside it, "
+            "as .pt) instead of re-running.",
+        ),
+    ] = None,
+) -> None:
+    """Re-run a bad step's birth from its repro bundle: reproduced or not, where, the op,
+    the line, the values. Exit 0 either way; 2 for a bundle that cannot be read."""
+    from floatguard.repro.bundle import ReproError, load_bundle, reproduce
+
+    try:
+        loaded = load_bundle(bundle)
+    except ReproError as e:
+        raise _fail(str(e)) from None
+    if script is not None:
+        from floatguard.repro.script import write_script
+
+        if script.suffix == ".pt":
+            raise _fail(f"--script {script}: name the script (repro.py); its tensors go beside it")
+        try:
+            py, data = write_script(loaded, script)
+        except ReproError as e:
+            raise _fail(str(e)) from None
+        except OSError as e:
+            raise _write_failed(e, script) from None
+        _out.print(f"script: {escape(str(py))}\ntensors: {escape(str(data))}")
+        _out.print(
+            f"run: python {escape(str(py))} \\[device]   (exit 1 when it reproduces)"
+        )
+        return
+    try:
+        outcome = reproduce(loaded, device)
+    except ReproError as e:
+        raise _fail(str(e)) from None
+    if as_json:
+        print(json.dumps(_json_safe(outcome.to_json()), allow_nan=False))
+        return
+    _print_outcome(loaded.describe(), outcome)
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def _print_outcome(what: str, o: Any) -> None:
+    head = "[red]reproduced[/red]" if o.reproduced else "[green]not reproduced[/green]"
+    _out.print(f"{head}: {escape(printable(what, 400))}", markup=True)
+    where = "<root>" if o.module == "" else o.module
+    _out.print(f"  born in: {escape(printable(str(where), 200))} ({o.phase})")
+    _out.print(f"  op:      {escape(printable(str(o.op), 200))}")
+    if o.source:
+        _out.print(f"  line:    {escape(printable(o.source, 400))}")
+    _out.print(f"  re-ran:  {escape(o.ran)} on {escape(o.device)}")
+    for role in ("inputs", "output", "value"):
+        vals = o.values.get(role)
+        for v in vals if isinstance(vals, list) else [vals] if isinstance(vals, dict) else []:
+            _out.print(f"  {role}: {escape(printable(_brief_stats(v), 400))}")
+    if "threshold" in o.values:
+        _out.print(
+            f"  value:   {o.values.get('value')!r} (recorded {o.values.get('recorded')!r}, "
+            f"bar {o.values.get('threshold')!r})"
+        )
+    if o.note:
+        _out.print(f"  note:    {escape(printable(o.note, 600))}")
+
+
+def _brief_stats(v: dict[str, Any]) -> str:
+    if "nan" not in v:
+        return f"{v.get('dtype')}{v.get('shape')}"
+    span = (
+        f"finite in [{v['min']:.6g}, {v['max']:.6g}]"
+        if v.get("min") is not None and v.get("max") is not None
+        else "no finite value"
+    )
+    first = f", first non-finite at {v['first_bad']}" if v.get("first_bad") else ""
+    return (
+        f"{v.get('dtype')}{v.get('shape')} nan={v['nan']} +inf={v['posinf']} "
+        f"-inf={v['neginf']}, {span}{first}"
+    )
 
 
 def _brief(v: object) -> str:

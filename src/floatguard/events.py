@@ -70,12 +70,14 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "stats": ("tensors",),
         "stop": ("reason", "fault"),
         "end": ("state_finite", "nonfinite", "lr_factor", "lr", "scale"),
+        "repro": ("path", "level", "bytes", "seconds", "tape_ops", "reproduced"),
     }.items()
 }  # fmt: skip
 # Fields that hold strings: in schema 1 files a string "nan" there stays a string.
 _STRING_FIELDS = frozenset(
     {"kind_of_value", "phase", "module", "tensor", "op", "source", "action", "reason",
-     "signal", "where", "cause", "message", "error", "path", "bad", "used", "policy", "fault"}
+     "signal", "where", "cause", "message", "error", "path", "bad", "used", "policy", "fault",
+     "level"}
 )  # fmt: skip
 
 

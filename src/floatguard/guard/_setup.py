@@ -78,3 +78,11 @@ def rank_of(distributed: bool, group: Any) -> int:
     import torch.distributed as dist
 
     return int(dist.get_rank(group))
+
+
+def world_size_of(distributed: bool, group: Any) -> int:
+    if not distributed:
+        return 1
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group))

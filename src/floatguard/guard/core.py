@@ -26,7 +26,7 @@ from torch import nn
 from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.events import EventLog
 from floatguard.guard import policy
-from floatguard.guard._setup import check_args, configuration, rank_of
+from floatguard.guard._setup import check_args, configuration, rank_of, world_size_of
 from floatguard.guard.act import Actor
 from floatguard.guard.batch_id import BatchInputs
 from floatguard.guard.channel import ReadChannel
@@ -37,6 +37,7 @@ from floatguard.guard.locate import Locator, named_root
 from floatguard.guard.peers import Peers
 from floatguard.guard.persist import GuardPersistence
 from floatguard.guard.read import StepRead, StepReader
+from floatguard.guard.repro_writer import ReproWriter
 from floatguard.guard.run import StepRunner, as_closures
 from floatguard.guard.stall import StallWatch
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
@@ -209,6 +210,22 @@ class Guard(GuardPersistence):
             self._channel,
             self._device,
             self._updates,
+        )
+        self._repro = (
+            ReproWriter(
+                self._response.repro_dir,
+                self._response.repro_level,
+                self._response.repro_keep,
+                model,
+                optimizer,
+                self._locator,
+                precision=precision,
+                device=self._device,
+                rank=self._channel.rank if self._distributed else None,
+                world_size=world_size_of(self._distributed, process_group),
+            )
+            if self._response.repro_dir is not None
+            else None
         )
         self._keeper = SnapshotKeeper(self._response, self._emit)
         self._actor = Actor(
@@ -409,7 +426,7 @@ class Guard(GuardPersistence):
                 self._ladder,
                 self._previous_applied,
             )
-            return self._act(step, read, verdict)
+            return self._act(step, read, verdict, closures)
         except BaseException:
             if not self._actor.applying:  # the step did not happen: as if it had not begun
                 self.step_count = step
@@ -426,7 +443,9 @@ class Guard(GuardPersistence):
             self._snapshot_pending = True
 
     # ----------------------------------------------------------------- act
-    def _act(self, step: int, read: StepRead, verdict: Verdict) -> StepResult:
+    def _act(
+        self, step: int, read: StepRead, verdict: Verdict, closures: Sequence[Closure] = ()
+    ) -> StepResult:
         scale = self._scaler.get_scale()
         lr = self._lr(verdict.decision.state.lr_factor)  # what the update uses
         schedule_lr = self._lr(1.0)  # the schedule's, the guard's back-off left out
@@ -435,6 +454,8 @@ class Guard(GuardPersistence):
             if verdict.fault is not None or verdict.spike is not None
             else None
         )
+        if self._repro is not None and verdict.decision.response != "apply":
+            self._write_repro(step, read, verdict, closures)  # before a rollback
         try:
             action, self._ladder = self._actor.act(step, read, verdict, self._snapshot_now, batch)
         except GuardStopped:
@@ -466,6 +487,82 @@ class Guard(GuardPersistence):
         )
         self._emit.step(result)
         return result
+
+    def _write_repro(
+        self, step: int, read: StepRead, verdict: Verdict, closures: Sequence[Closure]
+    ) -> None:
+        """Write the repro bundle of a bad step (its fault born on this rank, or at the
+        "step" level its spike): a ``repro`` event, or a ``warning`` (``repro_error``)
+        when it cannot be written; training goes on either way."""
+        assert self._repro is not None
+        fault = self._judge.local if verdict.fault is not None else None
+        if verdict.fault is not None and fault is None:
+            return
+        if self._distributed and self._channel.rank not in read.bad_ranks and (
+            fault is None or fault.phase != "param"
+        ):
+            return  # the fault was born on another rank: its bundle is written there
+        spike = verdict.spike if fault is None else None
+        if not self._repro.wants(fault, spike):
+            return
+        self._repro.mark(fault, spike)
+        spike_info = None
+        if spike is not None:
+            detector = (
+                self._spike_watch.loss if spike == "loss_spike" else self._spike_watch.grad_norm
+            )
+            spike_info = {
+                "signal": spike.removesuffix("_spike"),
+                "value": verdict.spike_value,
+                "threshold": detector.bar() if detector is not None else None,
+                "reproduced": verdict.spike_reproduced,
+            }
+        state = None
+        if self._response.repro_level == "step":
+            state = {
+                "model": named_root(self._model).state_dict(),
+                "optimizer": self._optimizer.state_dict(),
+                "scaler": self._scaler.state_dict(),
+                "rng": self._state.rng,
+            }
+        try:
+            path, size, seconds, summary = self._repro.capture(
+                step,
+                fault,
+                spike_info,
+                closures,
+                self._step_inputs,
+                self._repro_context(),
+                state,
+            )
+        except Exception as e:  # never let a bundle break training
+            self._emit.warning(
+                step,
+                f"repro bundle not written: {type(e).__name__}: {e}",
+                code="repro_error",
+            )
+            return
+        self._emit.repro(step, str(path), self._response.repro_level, size, seconds, summary)
+
+    def _repro_context(self) -> dict[str, Any]:
+        """What the step computed in: precision, loss scale, autocast, the parameters'
+        dtypes, the emulation recipes of the model's emulated layers."""
+        from floatguard.scaling.emulation_recipe import EmulationRecipe
+
+        recipes = {
+            name: repr(m.recipe)
+            for name, m in named_root(self._model).named_modules()
+            if isinstance(getattr(m, "recipe", None), EmulationRecipe)
+        }
+        return {
+            "precision": self._precision,
+            "loss_scale": self._scaler.get_scale() if self._scaler.enabled else None,
+            "autocast": {"fp16": "float16", "bf16": "bfloat16"}.get(self._precision),
+            "param_dtypes": sorted(
+                {str(p.dtype).removeprefix("torch.") for p in self._model.parameters()}
+            ),
+            "emulation": recipes,
+        }
 
     def _observe_trend(self, step: int, read: StepRead, lr: float | None, scale: float) -> None:
         """An applied step's loss and norm into the trend watch; its alarms as warnings."""

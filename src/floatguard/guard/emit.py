@@ -205,6 +205,28 @@ class GuardEvents:
             scale=scale,
         )
 
+    def repro(
+        self,
+        step: int,
+        path: str,
+        level: str,
+        size: int,
+        seconds: float,
+        summary: dict[str, Any],
+    ) -> None:
+        """A repro bundle was written: where, at which level, its size and write time,
+        how many ops its tape holds, whether the guard's own replay gave the fault again."""
+        self.log.emit(
+            "repro",
+            step,
+            path=path,
+            level=level,
+            bytes=size,
+            seconds=seconds,
+            tape_ops=summary.get("tape_ops"),
+            reproduced=summary.get("reproduced_in_guard"),
+        )
+
     def stats(self, step: int, tensors: list[dict[str, Any]]) -> None:
         self.log.emit("stats", step, tensors=tensors)
 

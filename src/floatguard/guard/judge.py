@@ -62,6 +62,9 @@ class Judge:
         self.locator = locator
         self.channel = channel
         self.keeper = keeper
+        # This rank's own fault on the last judged step (before the ranks agreed on
+        # one): a repro bundle is written for the fault born here.
+        self.local: Fault | None = None
 
     def judge(
         self,
@@ -74,6 +77,7 @@ class Judge:
     ) -> Verdict:
         """The evidence, then the decision; a step to be applied on a snapshot step has
         its state vetted first (``magnitudes`` came with the step's read)."""
+        self.local = None
         clip = self.clipper.coefficient(read.grad_norm)
         finite_loss, overflow = read.finite_loss, read.gradient_overflow
         can_back_off = self.scaler.enabled and self.scaler.get_scale() > self.scaler.min_scale
@@ -100,6 +104,7 @@ class Judge:
             vetting = self.vet(step, after_update, magnitudes)
             amax = vetting.amax
             bad = self.channel.agree(vetting.bad, read.bad_ranks, "snapshot check", rare=True)
+            self.local = vetting.bad
             if bad is not None:  # the state went bad without a bad step: roll back
                 fault = bad
                 decision = policy.decide(
@@ -112,14 +117,16 @@ class Judge:
     ) -> Fault | None:
         """Where the non-finite value was born: a bad parameter or optimizer state, else a
         replay of the step (with a closure), else the hook monitor's records."""
-        bad = self.channel.agree(
-            self.vet(step, after_update).bad, read.bad_ranks, "parameter check"
-        )
+        vetted = self.vet(step, after_update).bad
+        bad = self.channel.agree(vetted, read.bad_ranks, "parameter check")
         if bad is not None:
+            self.local = vetted
             return bad  # (on every rank: no rank replays while another does not)
         if closures and self.watch != "off":
             found = self.locator.replay(step, closures, read)
+            self.local = found
             return self.channel.agree(found, read.bad_ranks, "replay")
+        self.local = read.monitor_fault
         return self.channel.agree(read.monitor_fault, read.bad_ranks, "hook records")
 
     def vet(self, step: int, after_update: bool, magnitudes: Magnitudes | None = None) -> Vetting:

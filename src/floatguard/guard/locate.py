@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,7 +40,8 @@ from floatguard.guard.run import StepRunner
 from floatguard.guard.types import Closure, Precision
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault
-from floatguard.monitor.replay import ReplayResult, run_localized
+from floatguard.monitor.replay import ReplayResult, run_traced
+from floatguard.repro._tape import Site, TapeRecorder
 from floatguard.stability.clip import total_norm
 from floatguard.stability.step_state import StepState, set_rng_state
 
@@ -169,6 +170,9 @@ class Locator:
         self._buffer_names: list[tuple[str, str, torch.Tensor]] | None = None
         self._plan: _native.AmaxPlan | None = None
         self._keys_of: tuple[list[StateTensor], list[str], list[int]] | None = None
+        # The last replay's birth on this rank (before the ranks agreed) and its site.
+        self.last_local: Fault | None = None
+        self.last_site: Site | None = None
 
     # -------------------------------------------------- parameters, state
     def state_tensors(self) -> list[StateTensor]:
@@ -419,11 +423,13 @@ class Locator:
         replayed step was clean)."""
         found, reproduced = self._rerun(closures)
         if found is not None and reproduced:
-            return found.to_fault(step, deterministic=True)
+            self.last_local = found.to_fault(step, deterministic=True)
+            return self.last_local
+        self.last_site = None
         # Not localized (or not reproduced): what the read saw, where it saw it.
         loss_ok = read.finite_loss
         seen = read.grad_norm if loss_ok else read.loss
-        return Fault(
+        self.last_local = Fault(
             step=step,
             phase="backward" if loss_ok else "loss",
             module="",
@@ -431,6 +437,7 @@ class Locator:
             kind="nan" if math.isnan(seen) else "inf",
             deterministic=reproduced,
         )
+        return self.last_local
 
     def replay_values(self, closures: Sequence[Closure]) -> tuple[float, float]:
         """Re-run the step from its starting state (no op-level replay) and read its
@@ -448,10 +455,33 @@ class Locator:
         return float(values[0]), float(values[1])
 
     def _rerun(self, closures: Sequence[Closure]) -> tuple[ReplayResult | None, bool]:
+        self.last_local, self.last_site = None, None
         with self._from_step_start():
-            found = run_localized(lambda: self.runner.run(closures), model=named_root(self.model))
+            found, _, site, _ = run_traced(
+                lambda: self.runner.run(closures), named_root(self.model)
+            )
             reproduced = self._step_is_bad()
+        self.last_site = site
         return found, reproduced
+
+    def record(
+        self, closures: Sequence[Closure], tape: TapeRecorder, during: Callable[[], None]
+    ) -> None:
+        """Re-run the step from its starting state once more, feeding ``tape`` every op
+        (a repro bundle's recording replay, see :mod:`floatguard.repro._tape`); ``during``
+        is called after the run, before the step's gradients and losses are cleared (to
+        find the loss and gradients among the tape's slots)."""
+        with self._from_step_start():
+            run_traced(lambda: self.runner.run(closures), named_root(self.model), tape=tape)
+            during()
+
+    def tensor_of(self, fault: Fault) -> torch.Tensor | None:
+        """The state tensor a state fault (phase "param": a parameter, an optimizer
+        state, a buffer) names, or None."""
+        for t in self.state_tensors():
+            if t.owner == fault.module and t.role == fault.tensor:
+                return t.tensor
+        return None
 
     @contextlib.contextmanager
     def _from_step_start(self) -> Iterator[None]:

@@ -19,6 +19,7 @@ from floatguard.monitor._replay_values import _float_operands, _has_nan, _severi
 from floatguard.monitor._sources import _engine_frame, _from_anomaly_trace, _user_frame
 from floatguard.monitor._stats_read import stats_of
 from floatguard.monitor.localize import Phase
+from floatguard.repro._tape import TapeRecorder
 
 # Uninitialised memory may hold anything: never blame these.
 _SKIP = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_")
@@ -64,9 +65,11 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Collects the candidates, in execution order, with their module, phase and
     forward pass."""
 
-    def __init__(self, ctx: _Context) -> None:
+    def __init__(self, ctx: _Context, tape: TapeRecorder | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.ctx = ctx
+        self.tape = tape  # a repro bundle's recording (see floatguard.repro._tape)
+        self.seq = 0  # ops dispatched so far in this replay
         self.candidates: list[_Candidate] = []
         self.made: set[int] = set()  # storages the step's ops wrote
         # Per forward pass: NaN/+inf data the step was given, and how many candidates
@@ -174,10 +177,28 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.ctx.backward_seen = True
         else:
             self.ctx.forward_now()
+        self.seq += 1
+        rec = None
+        if self.tape is not None:
+            rec = self.tape.before(
+                self.seq, func, args, kwargs or {}, self._module_now(backward), backward,
+                self.ctx.forward_pass,
+            )  # fmt: skip
         out = self._dispatch(func, args, kwargs or {}, backward)
+        if rec is not None:
+            assert self.tape is not None
+            self.tape.after(rec, out, args, None)
         if not getattr(func, "is_view", False):  # a view writes nothing: its base stays
             self._note_outputs(out, lifted=getattr(func, "overloadpacket", None) in _LIFT_OPS)
         return out
+
+    def _module_now(self, backward: bool) -> str | None:
+        """The module an op runs in as the replay sees it: the tag of the autograd node
+        running (backward), else the innermost named module running."""
+        if backward:
+            node = torch._C._current_autograd_node()
+            return node.metadata.get(_MODULE_TAG) if node is not None else None  # type: ignore[attr-defined, no-any-return]
+        return self.ctx.current()
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any], backward: bool) -> Any:
         if len(self.candidates) >= _MAX_CANDIDATES:
@@ -258,7 +279,10 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         )
         storages = tuple(_storage(t) for t in bad)
         k = self.ctx.forward_pass
-        self.candidates.append(_Candidate(res, backward, ninf_only, storages, k, tuple(bad)))
+        scope = self._module_now(backward)
+        self.candidates.append(
+            _Candidate(res, backward, ninf_only, storages, k, tuple(bad), self.seq, scope)
+        )
         return out
 
 

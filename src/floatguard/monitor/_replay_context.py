@@ -138,7 +138,7 @@ class _Context:
             if (p.is_floating_point() or p.is_complex()) and _severity(values_of(p)):
                 owner, _, pname = name.rpartition(".")
                 res = _already_there(p, op="parameter", module=owner, tensor=f"param:{pname}")
-                self.early.append(_Candidate(res, False, False))
+                self.early.append(_Candidate(res, False, False, held=(p,)))
                 return
 
     def _check_inputs(self, args: Any, kwargs: Any) -> None:
@@ -153,13 +153,15 @@ class _Context:
             sev = _severity(values_of(x))
             if sev == 2:
                 res = _already_there(x, op="input", module="", tensor=f"input[{i}]")
-                self.early.append(_Candidate(res, False, False, forward_pass=self.forward_pass))
+                self.early.append(
+                    _Candidate(res, False, False, forward_pass=self.forward_pass, held=(x,))
+                )
                 return
             if sev == 1:
                 self.notes.append(f"input[{i}] holds -inf (taken as an intended mask)")
                 if self.forward_pass not in self.ninf_inputs:
                     res = _already_there(x, op="input", module="", tensor=f"input[{i}]")
-                    cand = _Candidate(res, False, True, forward_pass=self.forward_pass)
+                    cand = _Candidate(res, False, True, forward_pass=self.forward_pass, held=(x,))
                     self.ninf_inputs[self.forward_pass] = cand
             i += 1
 

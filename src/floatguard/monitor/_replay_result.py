@@ -77,3 +77,8 @@ class _Candidate:
     # The bad outputs themselves, held so that their memory is not reused while the
     # replay runs (a later gradient at the same address would look like this one).
     held: tuple[torch.Tensor, ...] = ()
+    # The op's number in the step's dispatch order (-1: a value already there) and the
+    # module it ran in as the replay saw it then (a repro bundle's recording replay
+    # finds the same op by these).
+    seq: int = -1
+    scope: str | None = None

@@ -80,6 +80,7 @@ from floatguard.monitor._births import _Births, _choose, _param_grad_hooks
 from floatguard.monitor._replay_context import _Context, _module_hooks
 from floatguard.monitor._replay_result import ReplayResult
 from floatguard.monitor._replay_values import _severity
+from floatguard.repro._tape import Site, TapeRecorder
 
 __all__ = ["ReplayResult", "replay"]
 
@@ -117,8 +118,21 @@ def _run(
 ) -> tuple[ReplayResult | None, bool]:
     """One replay: the birth (or None), and whether the step was bad (its loss or a
     gradient of the model's parameters non-finite)."""
+    found, bad, _, _ = run_traced(step_fn, model, loss_of)
+    return found, bad
+
+
+def run_traced(
+    step_fn: Callable[[], object],
+    model: nn.Module | None,
+    loss_of: Callable[[object], torch.Tensor | None] | None = None,
+    tape: TapeRecorder | None = None,
+) -> tuple[ReplayResult | None, bool, Site | None, object]:
+    """:func:`_run`, with where the birth was found (its :class:`Site`: the op's number
+    in the step's dispatch order, for a repro bundle's recording replay), what
+    ``step_fn`` returned, and ``tape`` (a recorder) fed every op the step ran."""
     ctx = _Context(model)
-    births = _Births(ctx)
+    births = _Births(ctx, tape)
     handles, hits = _param_grad_hooks(model, births)
     result: object = None
     # Anomaly mode records each node's forward traceback, so backward ops can name
@@ -153,7 +167,27 @@ def _run(
         loss = result
     loss_bad = None if loss is None else _severity(values_of(loss.detach())) > 0
     bad = (any(ctx.loss_bad) if loss_bad is None else loss_bad) or _gradients_bad(ctx.model)
-    return _choose(ctx, births, hits, loss_bad), bad
+    chosen = _choose(ctx, births, hits, loss_bad)
+    return chosen, bad, _site_of(ctx, births, chosen), result
+
+
+def _site_of(ctx: _Context, births: _Births, chosen: ReplayResult | None) -> Site | None:
+    """The :class:`Site` of the chosen birth (None when nothing was chosen)."""
+    if chosen is None:
+        return None
+    pool = [
+        *ctx.early,
+        *births.candidates,
+        *(c for _, c in births.outside.values()),
+        *ctx.ninf_inputs.values(),
+    ]
+    for c in pool:
+        if c.result is chosen:
+            held = c.held[0] if c.held else None
+            if c.seq < 0 or chosen.op in ("input", "parameter"):
+                return Site(None, chosen.module, False, c.forward_pass, chosen.op, held)
+            return Site(c.seq, c.scope, c.backward, c.forward_pass, chosen.op, held)
+    return None
 
 
 def run_localized(

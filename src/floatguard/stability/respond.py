@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -15,6 +16,7 @@ ClipKind = Literal["zclip", "norm", "value", "none"]
 DetectorKind = Literal["robust", "lesson"]
 SnapshotErrorPolicy = Literal["retry", "disable", "raise"]
 SnapshotPlace = Literal["auto", "host", "device"]
+ReproLevel = Literal["minimal", "step"]
 
 
 class GuardStopped(RuntimeError):
@@ -166,6 +168,16 @@ class ResponsePolicy:
     the state (twice the snapshot's memory, in host memory for host snapshots); the
     copy then costs the step only what the forward and backward do not hide (with
     ``step(closure)``; in the three-call loop they have run before ``step()``).
+
+    ``repro_dir``: write a *repro bundle* there for each distinct fault (off by
+    default): one checksummed file ``floatguard repro`` re-runs in a fresh process,
+    and turns into a standalone script (:mod:`floatguard.repro`). ``repro_level``
+    ``"minimal"`` keeps the birth's module (its ops from its inputs to the non-finite
+    value, its call inputs and ``state_dict``: sized like the module);
+    ``"step"`` the whole step (every op, the batch, the pre-step model, optimizer,
+    scaler and RNG state, captured before a rollback), and a bundle for each
+    spike too. ``repro_keep`` bundles are kept (this rank's oldest removed). A
+    healthy step costs nothing; a bad step is re-run once more to record it.
     """
 
     lr_backoff_after: int = 2
@@ -188,6 +200,9 @@ class ResponsePolicy:
     snapshot_on: SnapshotPlace = "auto"
     snapshot_budget: float | Literal["auto"] | None = "auto"
     snapshot_overlap: bool = False
+    repro_dir: str | os.PathLike[str] | None = None
+    repro_level: ReproLevel = "minimal"
+    repro_keep: int = 5
 
     def __post_init__(self) -> None:
         ints = (
@@ -203,6 +218,7 @@ class ResponsePolicy:
             "bad_data_warn_after",
             "bad_data_stop_after",
             "bad_data_window",
+            "repro_keep",
         )
         for name in ints:
             v = getattr(self, name)
@@ -235,6 +251,15 @@ class ResponsePolicy:
             raise ValueError(
                 f"ResponsePolicy.snapshot_budget={b!r} must be a fraction in (0, 1) of step "
                 "time (0.01: 1%), 'auto' or None (every snapshot_every good steps)"
+            )
+        if self.repro_level not in get_args(ReproLevel):
+            raise ValueError(
+                f"ResponsePolicy.repro_level={self.repro_level!r}; use 'minimal' (the birth's "
+                "module) or 'step' (the whole step, with the pre-step state)"
+            )
+        if self.repro_dir is not None and not isinstance(self.repro_dir, (str, os.PathLike)):
+            raise ValueError(
+                f"ResponsePolicy.repro_dir={self.repro_dir!r} must be a folder path or None"
             )
         if not isinstance(self.snapshot_overlap, bool):
             raise ValueError(

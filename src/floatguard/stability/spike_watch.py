@@ -38,6 +38,12 @@ class SpikeDetector:
     def record(self, value: float) -> None:
         self.impl.check(value)
 
+    def bar(self) -> float | None:
+        """The value a step must exceed to be a spike now (the robust detector's
+        threshold), or None where the detector has no single bar ("lesson")."""
+        threshold = getattr(self.impl, "threshold", None)
+        return float(threshold()) if callable(threshold) else None
+
     def state_dict(self) -> dict[str, Any]:
         return self.impl.state_dict()
 

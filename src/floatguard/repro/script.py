@@ -1,0 +1,276 @@
+"""A repro bundle as a standalone PyTorch script (``floatguard repro BUNDLE --script``).
+
+The script imports torch only (and the standard library), loads its tensors from a
+``.pt`` file beside it (``torch.load(weights_only=True)``), and re-runs the bundle's
+tape as straight-line aten calls (``aten.addmm.default(t1, t0, t3)``), the birth op
+last: small enough to paste into a bug report to PyTorch or a kernel library. It
+prints the op and its values and exits 1 when the non-finite value is born again,
+0 when not. A bundle of a value that was already bad (a weight, an optimizer
+state, an input) checks that value; a spike bundle re-runs the step and compares the
+loss or gradient norm with the bar it crossed.
+
+Everything written into the script comes from validated bundle values: op names of
+the ``aten`` namespace, dtype / layout / memory-format names torch has, Python
+literals written with ``repr``; a bundle cannot put code of its own into it.
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from floatguard.repro._ops import _DTYPES, _FORMATS, _LAYOUTS, op_named
+from floatguard.repro.bundle import ReproBundle, ReproError
+
+__all__ = ["write_script"]
+
+
+def _lit(value: Any) -> str:
+    """A tape argument as Python source (see :mod:`floatguard.repro._ops`)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return repr(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "float('nan')"
+        if math.isinf(value):
+            return "float('inf')" if value > 0 else "-float('inf')"
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_lit(v) for v in value) + "]"
+    if isinstance(value, dict) and len(value) == 1:
+        (key, inner), = value.items()
+        if key == "t" and isinstance(inner, int) and not isinstance(inner, bool) and inner >= 0:
+            return f"t{inner}"
+        if key == "tuple" and isinstance(inner, list):
+            body = ", ".join(_lit(v) for v in inner)
+            return f"({body},)" if len(inner) == 1 else f"({body})"
+        if key == "dtype" and inner in _DTYPES:
+            return f"torch.{inner}"
+        if key == "device" and isinstance(inner, str):
+            return "dev"
+        if key == "layout" and inner in _LAYOUTS:
+            return f"torch.{inner}"
+        if key == "memory_format" and inner in _FORMATS:
+            return f"torch.{inner}"
+        if key == "kwargs" and isinstance(inner, dict):
+            return "{" + ", ".join(f"{_lit(str(k))}: {_lit(v)}" for k, v in inner.items()) + "}"
+    raise ReproError(f"not a tape argument: {str(value)[:80]!r}")
+
+
+def _call(op: dict[str, Any]) -> str:
+    name = op.get("op")
+    op_named(name)  # an aten op this torch has, or ReproError below
+    args = op.get("args")
+    kwargs = op.get("kwargs")
+    if not (isinstance(args, dict) and isinstance(args.get("tuple"), list)):
+        raise ReproError("an op's arguments are not a tuple")
+    parts = [_lit(a) for a in args["tuple"]]
+    kw = kwargs.get("kwargs") if isinstance(kwargs, dict) else None
+    for k, v in (kw or {}).items():
+        if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k):
+            raise ReproError(f"not an argument name: {str(k)[:40]!r}")
+        parts.append(f"{k}={_lit(v)}")
+    _, packet, overload = str(name).split(".")
+    return f"aten.{packet}.{overload}({', '.join(parts)})"
+
+
+def _targets(out: Any, path: str = "") -> list[tuple[str, int]]:
+    """(index path, slot) for each tensor an op's written output names."""
+    if isinstance(out, dict) and "t" in out and isinstance(out["t"], int):
+        return [(path, out["t"])]
+    if isinstance(out, dict) and "tuple" in out:
+        out = out["tuple"]
+    if isinstance(out, list):
+        found = []
+        for i, v in enumerate(out):
+            found.extend(_targets(v, f"{path}[{i}]"))
+        return found
+    return []
+
+
+def _lines_of(tape: dict[str, Any], fault: dict[str, Any]) -> tuple[list[str], str | None]:
+    """The script lines of a tape's ops, and the name holding the birth op's output."""
+    lines: list[str] = []
+    birth = tape.get("birth")
+    birth_name = None
+    for i, op in enumerate(tape.get("ops") or []):
+        if not isinstance(op, dict):
+            raise ReproError("a tape op that is not an op")
+        call = _call(op)
+        targets = _targets(op.get("out"))
+        note = ""
+        if i == birth:
+            where = fault.get("module")
+            where = "<root>" if where == "" else where
+            note = f"  # <- the birth: {fault.get('kind')} in {where} ({fault.get('phase')})"
+        if len(targets) == 1 and targets[0][0] == "":
+            lines.append(f"t{targets[0][1]} = {call}{note}")
+            name = f"t{targets[0][1]}"
+        else:
+            lines.append(f"o{i} = {call}{note}")
+            lines.extend(f"t{slot} = o{i}{path}" for path, slot in targets)
+            name = f"o{i}"
+        if i == birth:
+            birth_name = name
+    return lines, birth_name
+
+
+_CHECK = '''
+
+def stats(t):
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return repr(t)
+    v = t.detach().float()
+    fin = v[v.isfinite()]
+    bad = (~v.isfinite()).nonzero()
+    return (f"{str(t.dtype)[6:]}{list(t.shape)} nan={int(v.isnan().sum())} "
+            f"+inf={int((v == float('inf')).sum())} -inf={int((v == -float('inf')).sum())} "
+            + (f"finite in [{float(fin.min()):.6g}, {float(fin.max()):.6g}]" if fin.numel() else "no finite value")
+            + (f" first non-finite at {[int(i) for i in bad[0].tolist()]}" if bad.numel() else ""))
+
+
+def outputs(o):
+    if isinstance(o, torch.Tensor):
+        return [o]
+    if isinstance(o, (list, tuple)):
+        return [t for x in o for t in outputs(x)]
+    return []
+
+
+def born(o, kind):
+    for t in outputs(o):
+        if t.is_floating_point() and t.numel():
+            if kind == "nan" and bool(t.isnan().any()):
+                return True
+            if kind != "nan" and bool(t.isinf().any()):
+                return True
+    return False
+'''
+
+
+def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Write ``bundle`` as a standalone script at ``path`` and its tensors beside it
+    (``path`` with the suffix ``.pt``); the two paths. :class:`ReproError` when the
+    bundle holds nothing a script can re-run."""
+    script = Path(path)
+    data = script.with_suffix(".pt")
+    p = bundle.payload
+    fault = bundle.fault or {}
+    spike = bundle.spike
+    head = [
+        "#!/usr/bin/env python3",
+        f'"""Repro of {_doc(bundle.describe())}.',
+        "",
+        f"Recorded by floatguard {_doc(str(p.get('floatguard')))} with torch "
+        f"{_doc(str(p.get('torch')))} on {_doc(str(p.get('device')))}.",
+    ]
+    if fault.get("source"):
+        head.append(f"Where: {_doc(str(fault.get('source')))}")
+    recipes = (p.get("context") or {}).get("emulation") if isinstance(p.get("context"), dict) else None
+    if recipes:
+        head.append("Emulation (its quantization ops are among the ops below): ")
+        head.extend(f"    {_doc(str(k))}: {_doc(str(v))}" for k, v in list(recipes.items())[:8])
+    module = p.get("module") if isinstance(p.get("module"), dict) else None
+    if module and module.get("class"):
+        head.append(f"Module class: {_doc(str(module.get('class')))}")
+    head += [
+        "",
+        "Run: python " + script.name + " [device]   (default: cpu)",
+        "Exit status 1 when the non-finite value is born again, 0 when not.",
+        f"Needs torch only; tensors from {data.name} beside this file.",
+        '"""',
+        "import sys",
+        "from pathlib import Path",
+        "",
+        "import torch",
+        "",
+        "aten = torch.ops.aten",
+        'dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")',
+        f'T = torch.load(Path(__file__).with_name({data.name!r}), map_location="cpu", weights_only=True)',
+    ]
+    tensors: dict[str, torch.Tensor] = {}
+    body: list[str] = []
+    value = p.get("value") if isinstance(p.get("value"), dict) else None
+    kind = str(fault.get("kind") or "nan")
+    op_name = str(fault.get("op"))
+    if spike is None and value is not None and isinstance(value.get("tensor"), torch.Tensor):
+        tensors["value"] = value["tensor"]
+        body += [
+            'v = T["value"].to(dev)',
+            f"name = {str(value.get('name'))!r}",
+            f'print("op:", {op_name!r}, "-", name, "(a value already there when the step ran)")',
+            'print("value:", stats(v))',
+            "bad = bool((~v.float().isfinite()).any())"
+            + (f" or float(v.float().abs().max()) > {float(value['bound'])!r}"
+               if isinstance(value.get("bound"), (int, float)) else ""),
+            'print("reproduced" if bad else "not reproduced: the value is finite")',
+            "sys.exit(1 if bad else 0)",
+        ]  # fmt: skip
+    else:
+        tape = bundle.tape
+        if tape is None and isinstance(p.get("single"), dict):
+            single = p["single"]
+            leaves = single.get("leaves") if isinstance(single.get("leaves"), dict) else {}
+            free = max((k for k in leaves if isinstance(k, int)), default=-1) + 1
+            tape = {
+                "ops": [{"op": single.get("op"), "args": single.get("args"),
+                         "kwargs": single.get("kwargs"), "out": {"t": free}}],
+                "leaves": leaves,
+                "birth": 0,
+            }  # fmt: skip
+        if tape is None:
+            why = p.get("why_no_tape") or "the bundle holds no ops to re-run"
+            raise ReproError(f"{bundle.path}: no script can be written: {why}")
+        leaves = tape.get("leaves") or {}
+        for s, t in leaves.items():
+            if not isinstance(s, int) or not isinstance(t, torch.Tensor):
+                raise ReproError("a tape leaf that is not a numbered tensor")
+            tensors[f"t{s}"] = t
+            body.append(f't{s} = T["t{s}"].to(dev)')
+        lines, birth_name = _lines_of(tape, fault)
+        body += lines
+        if spike is not None:
+            sig = str(spike.get("signal"))
+            bar = spike.get("threshold")
+            if sig == "loss" and isinstance(spike.get("loss_slot"), int):
+                body.append(f"value = float(t{spike['loss_slot']}.double())")
+            else:
+                slots = [s for s in spike.get("grad_slots") or [] if isinstance(s, int)]
+                norms = ", ".join(f"t{s}.double().norm()" for s in slots) or "torch.zeros(())"
+                body.append(f"value = float(torch.stack([{norms}]).norm())")
+            body += [
+                f"bar = {float(bar)!r}" if isinstance(bar, (int, float)) else "bar = None",
+                f"recorded = {float(spike.get('value') or math.nan)!r}".replace("nan", "float('nan')"),
+                f'print("{sig} spike: re-run value", value, "recorded", recorded, "bar", bar)',
+                "bad = value > bar if bar is not None else abs(value - recorded) <= 1e-3 * abs(recorded)",
+                'print("reproduced" if bad else "not reproduced")',
+                "sys.exit(1 if bad else 0)",
+            ]
+        elif birth_name is not None:
+            body += [
+                f'print("op:", {op_name!r})',
+                f"print(\"output:\", *[stats(t) for t in outputs({birth_name})])",
+                f"bad = born({birth_name}, {kind!r})",
+                f'print("reproduced: {kind} born by", {op_name!r} if bad else "not reproduced")',
+                "sys.exit(1 if bad else 0)",
+            ]
+        else:
+            body += [
+                "print('the step ran through with no birth recorded: not reproduced')",
+                "sys.exit(0)",
+            ]
+    text = "\n".join(head) + "\n" + _CHECK + "\n\n" + "\n".join(body) + "\n"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().clone() for k, v in tensors.items()}, data)
+    script.write_text(text)
+    return script, data
+
+
+def _doc(text: str) -> str:
+    """Text safe inside a triple-quoted docstring (no quotes, backslashes, newlines)."""
+    return text.replace("\\", "/").replace('"', "'").replace("\n", " ")[:300]
