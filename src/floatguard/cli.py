@@ -503,9 +503,7 @@ def repro_cmd(
         except OSError as e:
             raise _write_failed(e, script) from None
         _out.print(f"script: {escape(str(py))}\ntensors: {escape(str(data))}")
-        _out.print(
-            f"run: python {escape(str(py))} \\[device]   (exit 1 when it reproduces)"
-        )
+        _out.print(f"run: python {escape(str(py))} \\[device]   (exit 1 when it reproduces)")
         return
     try:
         outcome = reproduce(loaded, device)

@@ -498,8 +498,10 @@ class Guard(GuardPersistence):
         fault = self._judge.local if verdict.fault is not None else None
         if verdict.fault is not None and fault is None:
             return
-        if self._distributed and self._channel.rank not in read.bad_ranks and (
-            fault is None or fault.phase != "param"
+        if (
+            self._distributed
+            and self._channel.rank not in read.bad_ranks
+            and (fault is None or fault.phase != "param")
         ):
             return  # the fault was born on another rank: its bundle is written there
         spike = verdict.spike if fault is None else None

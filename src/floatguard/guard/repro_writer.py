@@ -177,9 +177,7 @@ class ReproWriter:
         if spike is not None:
             payload["spike"] = dict(spike)
         whole = self.level == "step"
-        wants_tape = closures and (
-            whole or (site is not None and site.seq is not None)
-        )
+        wants_tape = closures and (whole or (site is not None and site.seq is not None))
         if wants_tape:
             self._record(payload, site, closures, whole, spike)
         elif not closures:

@@ -28,18 +28,24 @@ import torch
 
 __all__ = [
     "Unwritable",
+    "assign",
     "decode",
     "encode",
     "op_named",
     "out_slots",
-    "assign",
 ]
 
 _OP_NAME = re.compile(r"^aten\.([a-z_][a-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+_LAYOUTS = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)
+}
 _FORMATS = {
-    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.memory_format)
+    str(v).removeprefix("torch."): v
+    for v in vars(torch).values()
+    if isinstance(v, torch.memory_format)
 }
 _DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|meta|hpu|npu)(:\d{1,4})?$")
 _MARKERS = frozenset({"t", "tuple", "dtype", "device", "layout", "memory_format"})
@@ -82,7 +88,7 @@ def decode(value: Any, slots: dict[int, torch.Tensor], device: torch.device) -> 
     if isinstance(value, list):
         return [decode(v, slots, device) for v in value]
     if isinstance(value, dict) and len(value) == 1:
-        (key, inner), = value.items()
+        ((key, inner),) = value.items()
         if key == "t":
             if not isinstance(inner, int) or isinstance(inner, bool) or inner not in slots:
                 raise ValueError(f"a tensor argument names slot {inner!r}, which the tape lacks")

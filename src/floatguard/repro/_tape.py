@@ -214,15 +214,15 @@ class TapeRecorder:
                 self.version[s] = -1
         for i in _written_args(func):
             if i < len(args) and isinstance(args[i], torch.Tensor):
-                s = self.slot_of.get(id(args[i]))
-                if s is not None:
-                    self.version[s] = args[i]._version
-                    writes.append(s)
+                w = self.slot_of.get(id(args[i]))
+                if w is not None:
+                    self.version[w] = args[i]._version
+                    writes.append(w)
         for t in args if isinstance(args, (list, tuple)) else ():
             if isinstance(t, torch.Tensor):
-                s = self.slot_of.get(id(t))
-                if s is not None and self.objs[s] is t:
-                    self.version[s] = t._version
+                r = self.slot_of.get(id(t))
+                if r is not None and self.objs[r] is t:
+                    self.version[r] = t._version
         op = _Op(str(func), enc_args, enc_kwargs, enc_out, reads, writes, module, backward,
                  source, seq)  # fmt: skip
         self.ops.append(op)

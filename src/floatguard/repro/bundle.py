@@ -374,7 +374,9 @@ def run_tape(tape: dict[str, Any], device: torch.device, *, upto: int | None = N
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise ValueError(f"op {i} of the tape has malformed arguments")
         ins = _tensors_in((args, kwargs))
-        level = max((finite_level(t) for t in ins), default=0) if run.first is None or i == birth else 0
+        level = (
+            max((finite_level(t) for t in ins), default=0) if run.first is None or i == birth else 0
+        )
         if i == birth:
             run.values["inputs"] = [value_stats(t) for t in ins if t.is_floating_point()]
         out = func(*args, **kwargs)
@@ -394,7 +396,9 @@ def _device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ReproError(f"--device {device!r} is not a device (use cpu, cuda, cuda:1, mps)") from None
+        raise ReproError(
+            f"--device {device!r} is not a device (use cpu, cuda, cuda:1, mps)"
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ReproError(f"--device {device}: this machine has no CUDA device (use --device cpu)")
     return dev
@@ -502,7 +506,9 @@ def _not_again(p: dict[str, Any]) -> str:
             "did not reproduce: the guard's own replay of the step from its starting "
             "state was clean too (transient: hardware, a race, nondeterminism)"
         )
-    return "did not reproduce: the op gave no such value on this device (transient or device-specific)"
+    return (
+        "did not reproduce: the op gave no such value on this device (transient or device-specific)"
+    )
 
 
 def _reproduce_spike(bundle: ReproBundle, dev: torch.device, base: dict[str, Any]) -> ReproOutcome:
@@ -517,7 +523,11 @@ def _reproduce_spike(bundle: ReproBundle, dev: torch.device, base: dict[str, Any
     bar = spike.get("threshold")
     if spike.get("signal") == "loss":
         slot = spike.get("loss_slot")
-        value = float(run.slots[slot].detach().double()) if isinstance(slot, int) and slot in run.slots else math.nan
+        value = (
+            float(run.slots[slot].detach().double())
+            if isinstance(slot, int) and slot in run.slots
+            else math.nan
+        )
     else:
         slots = [s for s in spike.get("grad_slots") or [] if isinstance(s, int) and s in run.slots]
         norms = [run.slots[s].detach().double().norm() for s in slots]
