@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from floatguard.guard.locate import Locator, named_root
+from floatguard.guard.locate import FLOOR, Locator, named_root
 from floatguard.guard.policy import fault_key
 from floatguard.guard.types import Closure
 from floatguard.monitor.localize import Fault
@@ -231,7 +231,7 @@ class ReproWriter:
     def _value(self, fault: Fault, site: Site | None) -> dict[str, Any] | None:
         """A bad value that was already there: a state tensor, or the replay's input."""
         tensor = None
-        if fault.phase == "param" and fault.op not in (None,) and site is None:
+        if fault.phase == "param" and site is None:
             tensor = self.locator.tensor_of(fault)
         elif site is not None and site.seq is None:
             tensor = site.tensor
@@ -239,9 +239,10 @@ class ReproWriter:
             return None
         name = f"{fault.module}.{fault.tensor}" if fault.module else fault.tensor
         out: dict[str, Any] = {"name": name, "tensor": tensor.detach().clone()}
-        if fault.kind == "huge" and fault.stats is None:
-            amax = float(tensor.detach().abs().float().max()) if tensor.numel() else 0.0
-            out["bound"] = amax / 2
+        if fault.kind == "huge":
+            # The smallest magnitude the guard ever calls implausible (its bound also
+            # depends on the value's history, which a bundle does not hold).
+            out["bound"] = FLOOR
         return out
 
     def _record(

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from floatguard.monitor._replay_context import _MODULE_TAG, _Context, _in_backward
-from floatguard.monitor._replay_result import ReplayResult, _Candidate
+from floatguard.monitor._replay_result import Mark, ReplayResult, _Candidate
 from floatguard.monitor._replay_values import _float_operands, _has_nan, _severity, _storage
 from floatguard.monitor._sources import _engine_frame, _from_anomaly_trace, _user_frame
 from floatguard.monitor._stats_read import stats_of
@@ -70,6 +70,10 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.ctx = ctx
         self.tape = tape  # a repro bundle's recording (see floatguard.repro._tape)
         self.seq = 0  # ops dispatched so far in this replay
+        # How many times each (op, module, backward, forward pass) ran: a birth's mark,
+        # stable across replays where code runs more ops on a first call (a cache).
+        self._counts: dict[tuple[str, str | None, bool, int], int] = {}
+        self.mark: Mark = ("", None, False, 0, 0)
         self.candidates: list[_Candidate] = []
         self.made: set[int] = set()  # storages the step's ops wrote
         # Per forward pass: NaN/+inf data the step was given, and how many candidates
@@ -178,10 +182,14 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             self.ctx.forward_now()
         self.seq += 1
+        scope = self._module_now(backward)
+        key = (str(func), scope, backward, self.ctx.forward_pass)
+        n = self._counts[key] = self._counts.get(key, -1) + 1
+        self.mark = (*key, n)
         rec = None
         if self.tape is not None:
             rec = self.tape.before(
-                self.seq, func, args, kwargs or {}, self._module_now(backward), backward,
+                self.seq, self.mark, func, args, kwargs or {}, scope, backward,
                 self.ctx.forward_pass,
             )  # fmt: skip
         out = self._dispatch(func, args, kwargs or {}, backward)
@@ -279,9 +287,8 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
         )
         storages = tuple(_storage(t) for t in bad)
         k = self.ctx.forward_pass
-        scope = self._module_now(backward)
         self.candidates.append(
-            _Candidate(res, backward, ninf_only, storages, k, tuple(bad), self.seq, scope)
+            _Candidate(res, backward, ninf_only, storages, k, tuple(bad), self.mark, self.mark[1])
         )
         return out
 

@@ -173,20 +173,28 @@ def _grad_fns(obj: Any) -> list[Any]:
 
 def _tag(outputs: Any, inputs: Any, name: str) -> None:
     """Tag the autograd nodes a module's call made with its name: those reachable from
-    its outputs without passing its inputs' nodes or nodes already tagged (a child's,
-    tagged when the child returned). Custom Functions' nodes are tagged too."""
+    its outputs without passing its inputs' nodes. A node already tagged by one of its
+    own children (tagged when the child returned) keeps its tag and is walked through,
+    to the module's own ops between its children; one tagged by any other module (a
+    value made before the call, not passed as an argument) ends the walk there. Custom
+    Functions' nodes are tagged too."""
     frontier = {id(n) for n in _grad_fns(inputs)}
     todo = _grad_fns(outputs)
     seen: set[int] = set()
+    inside = name + "." if name else ""
     while todo:
         n = todo.pop()
         if id(n) in seen or id(n) in frontier:
             continue
         seen.add(id(n))
         meta = n.metadata
-        if _MODULE_TAG in meta or n.name() == "torch::autograd::AccumulateGrad":
+        if n.name() == "torch::autograd::AccumulateGrad":
             continue
-        meta[_MODULE_TAG] = name
+        tag = meta.get(_MODULE_TAG)
+        if tag is None:
+            meta[_MODULE_TAG] = name
+        elif tag == name or not str(tag).startswith(inside):
+            continue
         todo.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
 
 

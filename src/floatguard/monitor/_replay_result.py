@@ -10,6 +10,9 @@ import torch
 from floatguard.monitor.localize import Fault, Phase
 from floatguard.stats import TensorStats
 
+# Where an op ran in a replay: (op, module, backward, forward pass, occurrence there).
+Mark = tuple[str, str | None, bool, int, int]
+
 
 @dataclass(frozen=True)
 class ReplayResult:
@@ -77,8 +80,8 @@ class _Candidate:
     # The bad outputs themselves, held so that their memory is not reused while the
     # replay runs (a later gradient at the same address would look like this one).
     held: tuple[torch.Tensor, ...] = ()
-    # The op's number in the step's dispatch order (-1: a value already there) and the
-    # module it ran in as the replay saw it then (a repro bundle's recording replay
-    # finds the same op by these).
-    seq: int = -1
+    # The op's mark (None: a value already there): the op, the module it ran in as the
+    # replay saw it, backward or not, the forward pass, and how many times that op ran
+    # there before; a repro bundle's recording replay finds the same op by it.
+    seq: Mark | None = None
     scope: str | None = None

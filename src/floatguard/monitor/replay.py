@@ -184,7 +184,7 @@ def _site_of(ctx: _Context, births: _Births, chosen: ReplayResult | None) -> Sit
     for c in pool:
         if c.result is chosen:
             held = c.held[0] if c.held else None
-            if c.seq < 0 or chosen.op in ("input", "parameter"):
+            if c.seq is None or chosen.op in ("input", "parameter"):
                 return Site(None, chosen.module, False, c.forward_pass, chosen.op, held)
             return Site(c.seq, c.scope, c.backward, c.forward_pass, chosen.op, held)
     return None

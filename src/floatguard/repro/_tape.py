@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from floatguard.repro._ops import Unwritable, encode, out_slots
+
+if TYPE_CHECKING:
+    from floatguard.monitor._replay_result import Mark
 
 __all__ = ["Site", "TapeRecorder"]
 
@@ -39,11 +42,12 @@ _MAX_OPS = 200_000  # a step longer than this is not taped whole
 
 @dataclass(frozen=True)
 class Site:
-    """Where the replay found a birth: the op's number in the step's dispatch order and
-    the attribution it had when it ran (module as the replay saw it, backward or not,
-    forward pass), or (``seq`` None) a value already there (``tensor``)."""
+    """Where the replay found a birth: the op's mark (op, module as the replay saw it,
+    backward or not, forward pass, how many times that op ran there before) and the
+    attribution it had when it ran, or (``seq`` None) a value already there
+    (``tensor``)."""
 
-    seq: int | None
+    seq: Mark | None
     module: str | None
     backward: bool
     forward_pass: int
@@ -164,6 +168,7 @@ class TapeRecorder:
     def before(
         self,
         seq: int,
+        mark: Mark,
         func: Any,
         args: Any,
         kwargs: dict[str, Any],
@@ -174,7 +179,7 @@ class TapeRecorder:
         """Called before an op runs; what :meth:`after` needs, or None (not taped)."""
         if self.done or self.failed is not None:
             return None
-        is_birth = self.site is not None and self.site.seq == seq
+        is_birth = self.site is not None and self.site.seq == mark
         if is_birth:
             self.single = self._single(func, args, kwargs)
         if not self.in_scope(module, backward, forward_pass) and not is_birth:

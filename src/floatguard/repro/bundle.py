@@ -38,6 +38,7 @@ import os
 import stat
 import struct
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,9 @@ def load_bundle(path: str | os.PathLike[str]) -> ReproBundle:
     p = Path(path)
     data = _verified(p, _read_regular(p))
     try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # (torch warns of a pickle protocol it then refuses)
+            warnings.simplefilter("ignore", UserWarning)
+            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # the checksum held, yet the payload is not ours
         raise ReproError(f"{p}: the payload is not a repro bundle ({type(e).__name__})") from None
     if not isinstance(payload, dict) or payload.get("kind") != "floatguard-repro":
@@ -229,8 +232,9 @@ class ReproBundle:
         f = self.fault or {}
         where = f.get("module")
         where = "<root>" if where == "" else where
+        op = f.get("op")
         what = (
-            f"{f.get('kind')} from {f.get('op')} in {where} ({f.get('phase')})"
+            f"{f.get('kind')}{f' from {op}' if op else ''} in {where} ({f.get('phase')})"
             if f
             else f"{(self.spike or {}).get('signal', '?')} spike"
         )
@@ -337,6 +341,12 @@ def _kind_matches(out: list[torch.Tensor], kind: str | None) -> bool:
     return False
 
 
+# Ops that return uninitialized memory (what they hold is written by the ops after).
+_ALLOCATIONS = frozenset(
+    {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"}
+)
+
+
 @dataclass
 class TapeRun:
     """One run of a tape: the slots after it, the first birth in it, the birth op's
@@ -380,8 +390,12 @@ def run_tape(tape: dict[str, Any], device: torch.device, *, upto: int | None = N
         if i == birth:
             run.values["inputs"] = [value_stats(t) for t in ins if t.is_floating_point()]
         out = func(*args, **kwargs)
-        assign(op.get("out"), out, slots)
         outs = _tensors_in(out)
+        if str(op.get("op")).split(".")[1] in _ALLOCATIONS:
+            for t in outs:  # uninitialized memory that the next ops write: not a value
+                t.zero_()
+            outs = []
+        assign(op.get("out"), out, slots)
         if run.first is None and level < 2:
             levels = [finite_level(t) for t in outs]
             if (level == 0 and any(levels)) or (level == 1 and _kind_matches(outs, "nan")):

@@ -395,8 +395,10 @@ class MX(TensorRecipe):
         x = torch.where(a > 0, x, torch.full_like(x, -127.0))
         x = torch.clamp(x, -127.0, 127.0)
         # A block holding inf or NaN: E8M0 has only a NaN code for it (OCP MX v1.0,
-        # section 5.4.1), and the whole block decodes to NaN.
-        return torch.where(torch.isfinite(a), x, torch.full_like(x, math.nan))
+        # section 5.4.1), and the whole block decodes to NaN. The NaN is made from the
+        # non-finite amax itself (a - a), not a NaN fill: a fill would be a NaN born here
+        # on every call, and floatguard's own watch would blame the quantizer.
+        return torch.where(torch.isfinite(a), x, (a - a).to(x.dtype))
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
         f = get(self.element)
