@@ -101,6 +101,10 @@ def test_a_stalled_rank_ends_the_others_within_the_limit(tmp_path: Path, case: s
     assert (stop.step, stop["reason"]) == (AT, "peer_failed")
     for w in words:
         assert w in stop["fault"], (w, stop["fault"])
+    if how == "ended" and "outcome" in res[0]:
+        # rank 0 noticed before it entered DDP's broadcast (a race on a loaded machine):
+        # it raises instead, with the same words
+        how = "raises"
     if how == "raises":
         name, msg, ranks, step = res[0]["outcome"]
         assert (name, ranks, step, msg) == ("PeerFailed", (1,), AT, stop["fault"])
