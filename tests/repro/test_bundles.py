@@ -292,3 +292,18 @@ def test_a_hostile_bundle_is_one_clear_line_and_nothing_runs(
         lines = [ln for ln in (captured.out + captured.err).splitlines() if ln.strip()]
         assert len(lines) == 1 and str(path.name) in lines[0], (name, lines)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_the_report_links_each_bundle(runs: dict[str, sc.Outcome], tmp_path: Path) -> None:
+    import re
+
+    from floatguard.report.page import render_report
+
+    run = runs["forward_op"]
+    out = tmp_path / "report"
+    render_report([run.folder / "events.jsonl"], out)
+    page = (out / "index.html").read_text()
+    assert "<h2>Repro bundles (1)</h2>" in page
+    (href,) = re.findall(r"<a href='([^']+\.fgr)'>", page)
+    assert (out / href).resolve() == run.bundles[0].resolve()
+    assert f"floatguard repro {run.bundles[0]}" in page

@@ -515,6 +515,49 @@ def _fault_cards(log: RunLog) -> str:
     return "\n".join(out)
 
 
+def _repro_href(path: str, out: Path) -> str:
+    """A link to a bundle from the page: relative when both are on one tree."""
+    p = Path(path)
+    if not p.is_absolute():
+        return p.as_posix()
+    try:
+        return Path(os.path.relpath(p, out.resolve())).as_posix()
+    except ValueError:  # another drive
+        return p.as_uri()
+
+
+def _repro_section(log: RunLog, out: Path) -> str:
+    """The repro bundles the guard wrote: a link each and the command that re-runs it."""
+    written = log.of_kind("repro")
+    if not written:
+        return ""
+    rows = []
+    for e in written[:_MAX_CARDS]:
+        path = str(e.fields.get("path") or "")
+        on = f" (rank {_e(e.rank)})" if e.rank else ""
+        seen = e.fields.get("reproduced")
+        again = (
+            "the guard's replay reproduced it"
+            if seen is True
+            else "transient in the guard"
+            if seen is False
+            else "not replayed"
+        )
+        rows.append(
+            f"<tr><td>{e.step}{on}</td><td><a href='{_e(_repro_href(path, out))}'>"
+            f"{_e(Path(path).name)}</a></td><td>{_e(e.fields.get('level'))}</td>"
+            f"<td>{_e(e.fields.get('bytes'))}</td><td>{_e(again)}</td>"
+            f"<td><code>floatguard repro {_e(path)}</code></td></tr>"
+        )
+    return (
+        f"<h2>Repro bundles ({len(written)})</h2><p class='muted'>Each re-raises its fault "
+        "anywhere: <code>floatguard repro BUNDLE</code> re-runs it, <code>--script "
+        "repro.py</code> writes it as a PyTorch script that needs nothing of floatguard."
+        "</p><table><tr><th>step</th><th>bundle</th><th>level</th><th>bytes</th>"
+        "<th>in the guard</th><th>re-run</th></tr>" + "".join(rows) + "</table>"
+    )
+
+
 def _stats_line(st: object) -> str:
     if not isinstance(st, dict):
         return ""
@@ -618,6 +661,7 @@ def render_report(
         _figure(plots, notes, "histograms", "exponent histograms against format windows"),
         f"<h2>Faults ({verdict.faults})</h2>",
         _fault_cards(log),
+        _repro_section(log, out),
         f"<h2>Diagnosis ({len(found)})</h2>",
         _findings(found),
         "<h2>Events</h2><table><tr><th>kind</th><th>count</th></tr>" + rows + "</table>",
