@@ -15,40 +15,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from floatguard import Guard, ResponsePolicy, SpikePolicy
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-        self.mode: str | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        if self.mode == "log":
-            h = torch.log(h - 100.0)  # every element negative: NaN
-        elif self.mode == "sqrt":
-            h = h + torch.sqrt((h - h).abs())  # sqrt at 0: its backward divides by 0
-        elif self.mode == "big":
-            h = h * 1e6  # past fp16's 65504
-        return self.norm(h) + x
-
-
-class TwoBlocks(nn.Module):
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.a = Block(d)
-        self.b = Block(d)
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.b(self.a(x)))
-        return out
-
+from tests.repro._user_model import TwoBlocks
 
 Plant = Callable[[TwoBlocks, torch.optim.Optimizer, torch.Tensor, torch.Tensor], Any]
 
@@ -143,6 +112,14 @@ def nan_input(m: TwoBlocks, o: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
 
 def overflow(m: TwoBlocks, o: Any, x: Any, y: Any) -> None:
     m.a.mode = "big"
+
+
+def gemm_overflow(m: TwoBlocks, o: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """Inputs near fp32's top and weights 8x larger (finite, plausible): the emulated
+    GEMM of block a's layer overflows, and its sum of +inf and -inf is NaN."""
+    with torch.no_grad():
+        m.a.fc.weight.mul_(8)
+    return x / x.abs().amax() * 3e38, y
 
 
 def spike(m: TwoBlocks, o: Any, x: torch.Tensor, y: torch.Tensor) -> Any:

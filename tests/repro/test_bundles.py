@@ -40,7 +40,14 @@ FAULTS: dict[str, tuple[sc.Plant, dict[str, Any], tuple[str, str, str, str]]] = 
         {"setup": lambda m: emulate(m, EmulationRecipe.mxfp8(), skip=("head",))},
         ("b", "forward", "aten.log.default", "nan"),
     ),
+    "mxfp8_gemm_overflow": (
+        sc.gemm_overflow,
+        {"setup": lambda m: emulate(m, EmulationRecipe.mxfp8(), skip=("head",))},
+        ("a.fc", "forward", "aten.mm.default", "nan"),
+    ),
 }
+ROOT = Path(__file__).resolve().parents[2]
+FAULTS_EMULATED = ("mxfp8_emulated", "mxfp8_gemm_overflow")
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +109,15 @@ def test_what_the_step_computed_in_is_recorded(runs: dict[str, sc.Outcome]) -> N
 def test_every_bundle_reproduces_in_a_fresh_process(runs: dict[str, sc.Outcome]) -> None:
     names = [*sorted(FAULTS), "spike", "transient"]
     paths = [str(runs[n].bundles[0]) for n in names]
+    # `floatguard repro BUNDLE --json` for each bundle, in one fresh interpreter
     code = (
-        "import json, sys\n"
-        "from floatguard.repro import load_bundle, reproduce\n"
+        "import sys\n"
+        "import floatguard.cli as cli\n"
         "for p in sys.argv[1:]:\n"
-        "    print(json.dumps(reproduce(load_bundle(p)).to_json()))\n"
+        "    try:\n"
+        "        cli.main(['repro', p, '--json'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), (p, e.code)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=300
@@ -118,7 +129,7 @@ def test_every_bundle_reproduces_in_a_fresh_process(runs: dict[str, sc.Outcome])
         assert o["reproduced"] is True, (name, o)
         assert (o["module"], o["phase"], o["op"], o["kind"]) == FAULTS[name][2], name
     # an op's birth: re-run from the tape, and found at the birth op itself
-    for name in ("forward_op", "backward_op", "grad_hook", "fp16_overflow", "mxfp8_emulated"):
+    for name in ("forward_op", "backward_op", "grad_hook", "fp16_overflow", *FAULTS_EMULATED):
         o = outcomes[name]
         assert o["ran"].startswith("tape of") and o["found_op"] == FAULTS[name][2][2], (name, o)
     for name in ("nan_weight", "nan_exp_avg", "nan_input"):
@@ -170,7 +181,11 @@ def test_scripts_re_raise_the_fault_without_floatguard(
         "    print(repr((p, code, buf.getvalue())))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, *scripts], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code, *scripts],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,  # where the user's model (tests.repro._user_model) is importable
     )
     assert done.returncode == 0, done.stderr[-3000:]
     import ast
@@ -182,6 +197,16 @@ def test_scripts_re_raise_the_fault_without_floatguard(
         assert "reproduced" in printed and "not reproduced" not in printed, (name, printed)
         if name in FAULTS and FAULTS[name][2][2].startswith("aten."):
             assert FAULTS[name][2][2] in printed, (name, printed)
+        # a forward birth in the user's own module: its class, rebuilt from its import
+        # path, gives the value; an emulated layer (floatguard's class, not importable
+        # there) falls back to the recorded ops, which re-apply the recipe
+        by_class = "reproduced by the module's own class: tests.repro._user_model:Block"
+        assert (by_class in printed) == (name in ("forward_op", "fp16_overflow")), (
+            name,
+            printed,
+        )
+        if name in FAULTS_EMULATED:
+            assert "cannot be used here" in printed and "reproduced:" in printed, printed
 
 
 def test_the_step_level_keeps_the_state_before_the_rollback(tmp_path: Path) -> None:

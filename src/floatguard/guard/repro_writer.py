@@ -80,6 +80,45 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain_attr(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    if isinstance(v, (tuple, list)) and depth < 3 and len(v) <= 64:
+        return all(_plain_attr(x, depth + 1) for x in v)
+    return False
+
+
+def _tree(m: nn.Module, depth: int = 0) -> dict[str, Any] | None:
+    """How to build ``m`` again without its ``__init__``: its class's import path, its
+    plain attributes (numbers, strings, tuples of them), its parameters' and buffers'
+    names, its children; ``other`` names the attributes that are none of these (a
+    config object, a function) and cannot be written. None past 32 levels."""
+    if depth > 32:
+        return None
+    cls = type(m)
+    attrs: dict[str, Any] = {}
+    other: list[str] = []
+    for k, v in vars(m).items():
+        if k.startswith("_"):
+            continue
+        if _plain_attr(v):
+            attrs[k] = list(v) if isinstance(v, list) else v
+        else:
+            other.append(k)
+    persistent = set(m.state_dict(keep_vars=True).keys())
+    return {
+        "class": f"{cls.__module__}:{cls.__qualname__}",
+        "attrs": attrs,
+        "other": other,
+        "params": [k for k, _ in m.named_parameters(recurse=False)],
+        "buffers": [[k, k in persistent] for k, _ in m.named_buffers(recurse=False)],
+        "children": {k: _tree(c, depth + 1) for k, c in m.named_children()},
+    }
+
+
 def _shared(payload: Any) -> Any:
     """``payload`` with equal tensors held once: the module's inputs, its state, the
     tape's leaves and the step's state often copy the same values (``torch.save``
@@ -307,7 +346,8 @@ class ReproWriter:
                 return
             with _disable_current_modes():
                 encoded[:] = [_encoded({"args": tuple(args), "kwargs": dict(kwargs)})]
-                state[:] = [{k: v.detach().clone() for k, v in m.state_dict().items()}]
+                every = [*m.named_parameters(), *m.named_buffers()]  # (non-persistent too)
+                state[:] = [{k: v.detach().clone() for k, v in every}]
 
         handle = (
             module.register_forward_pre_hook(keep_call, with_kwargs=True)
@@ -335,6 +375,7 @@ class ReproWriter:
             payload["module"] = {
                 "name": site.module if site is not None else None,
                 "class": f"{type(module).__module__}.{type(module).__qualname__}",
+                "tree": _tree(module),
                 "inputs": encoded[0] if encoded else None,
                 "state": state[0] if state else None,
             }

@@ -17,6 +17,7 @@ literals written with ``repr``; a bundle cannot put code of its own into it.
 from __future__ import annotations
 
 import keyword
+import re
 import math
 import os
 from pathlib import Path
@@ -30,8 +31,9 @@ from floatguard.repro.bundle import ReproBundle, ReproError
 __all__ = ["write_script"]
 
 
-def _lit(value: Any) -> str:
-    """A tape argument as Python source (see :mod:`floatguard.repro._ops`)."""
+def _lit(value: Any, prefix: str = "t") -> str:
+    """A tape argument as Python source (see :mod:`floatguard.repro._ops`); tensor
+    slot ``s`` is the name ``{prefix}{s}``."""
     if value is None or isinstance(value, (bool, int, str)):
         return repr(value)
     if isinstance(value, float):
@@ -41,13 +43,13 @@ def _lit(value: Any) -> str:
             return "float('inf')" if value > 0 else "-float('inf')"
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_lit(v) for v in value) + "]"
+        return "[" + ", ".join(_lit(v, prefix) for v in value) + "]"
     if isinstance(value, dict) and len(value) == 1:
         ((key, inner),) = value.items()
         if key == "t" and isinstance(inner, int) and not isinstance(inner, bool) and inner >= 0:
-            return f"t{inner}"
+            return f"{prefix}{inner}"
         if key == "tuple" and isinstance(inner, list):
-            body = ", ".join(_lit(v) for v in inner)
+            body = ", ".join(_lit(v, prefix) for v in inner)
             return f"({body},)" if len(inner) == 1 else f"({body})"
         if key == "dtype" and inner in _DTYPES:
             return f"torch.{inner}"
@@ -58,7 +60,8 @@ def _lit(value: Any) -> str:
         if key == "memory_format" and inner in _FORMATS:
             return f"torch.{inner}"
         if key == "kwargs" and isinstance(inner, dict):
-            return "{" + ", ".join(f"{_lit(str(k))}: {_lit(v)}" for k, v in inner.items()) + "}"
+            items = (f"{_lit(str(k))}: {_lit(v, prefix)}" for k, v in inner.items())
+            return "{" + ", ".join(items) + "}"
     raise ReproError(f"not a tape argument: {str(value)[:80]!r}")
 
 
@@ -154,6 +157,130 @@ def born(o, kind):
 """
 
 
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+_REBUILD = """
+
+def rebuild(tree, prefix):
+    # The module's own class from its import path, without its __init__: its plain
+    # attributes, parameters and buffers as recorded, its children likewise.
+    import importlib
+    mod, _, qual = tree["class"].partition(":")
+    cls = importlib.import_module(mod)
+    for part in qual.split("."):
+        cls = getattr(cls, part)
+    m = cls.__new__(cls)
+    torch.nn.Module.__init__(m)
+    for k, v in tree["attrs"].items():
+        setattr(m, k, v)
+    for k in tree["params"]:
+        m.register_parameter(k, torch.nn.Parameter(T["s:" + prefix + k]))
+    for k, persistent in tree["buffers"]:
+        m.register_buffer(k, T["s:" + prefix + k], persistent=persistent)
+    for k, child in tree["children"].items():
+        m.add_module(k, rebuild(child, prefix + k + "."))
+    return m
+"""
+
+
+def _tree_ok(tree: Any, depth: int = 0) -> bool:
+    """A module tree a script may hold: import paths of dotted names, plain values."""
+    if not isinstance(tree, dict) or depth > 32:
+        return False
+    mod, _, qual = str(tree.get("class")).partition(":")
+    names_ok = all(
+        isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k)
+        for k in [*(tree.get("attrs") or {}), *(tree.get("params") or [])]
+    )
+    return (
+        bool(_DOTTED.match(mod))
+        and bool(_DOTTED.match(qual))
+        and isinstance(tree.get("attrs"), dict)
+        and names_ok
+        and isinstance(tree.get("params"), list)
+        and isinstance(tree.get("buffers"), list)
+        and all(
+            isinstance(b, list) and len(b) == 2 and isinstance(b[0], str) and b[0].isidentifier()
+            for b in tree["buffers"]
+        )
+        and isinstance(tree.get("children"), dict)
+        and all(
+            isinstance(k, str) and k.isidentifier() and _tree_ok(c, depth + 1)
+            for k, c in tree["children"].items()
+        )
+    )
+
+
+def _plain_lit(v: Any) -> str:
+    """A plain attribute value (numbers, strings, None, lists and tuples of them)."""
+    if isinstance(v, float):
+        return _lit(v)
+    if v is None or isinstance(v, (bool, int, str)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_plain_lit(x) for x in v) + "]"
+    if isinstance(v, tuple):
+        body = ", ".join(_plain_lit(x) for x in v)
+        return f"({body},)" if len(v) == 1 else f"({body})"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_plain_lit(k)}: {_plain_lit(x)}" for k, x in v.items()) + "}"
+    raise ReproError(f"not a plain value: {str(v)[:80]!r}")
+
+
+def _module_lines(
+    module: dict[str, Any], fault: dict[str, Any], context: Any, tensors: dict[str, torch.Tensor]
+) -> list[str]:
+    """The script lines that call the birth module's own class (when importable where
+    the script runs) on its recorded inputs; [] when the bundle cannot support it."""
+    tree, inputs, state = module.get("tree"), module.get("inputs"), module.get("state")
+    if fault.get("phase") != "forward" or not _tree_ok(tree):
+        return []
+    if not isinstance(inputs, dict) or not isinstance(state, dict):
+        return []
+    calls = inputs.get("calls")
+    leaves = inputs.get("leaves")
+    if not (isinstance(calls, dict) and isinstance(leaves, dict)):
+        return []
+    call = calls.get("kwargs")
+    if not isinstance(call, dict) or set(call) != {"args", "kwargs"}:
+        return []
+    try:
+        args = _lit(call["args"], "m")
+        kwargs = _lit(call["kwargs"], "m")
+    except ReproError:
+        return []
+    for k, t in state.items():
+        if not isinstance(k, str) or not isinstance(t, torch.Tensor):
+            return []
+        tensors[f"s:{k}"] = t
+    for slot, t in leaves.items():
+        if not isinstance(slot, int) or not isinstance(t, torch.Tensor):
+            return []
+        tensors[f"m{slot}"] = t
+    auto = context.get("autocast") if isinstance(context, dict) else None
+    cast = f"torch.autocast(dev.type, dtype=torch.{auto})" if auto in _DTYPES else None
+    return [
+        "# 1. The module's own class, from its import path, on the inputs it had.",
+        f"TREE = {_plain_lit(tree)}",
+        *[f'm{s} = T["m{s}"].to(dev)' for s in sorted(leaves)],
+        "try:",
+        '    module = rebuild(TREE, "").to(dev)',
+        f"    with {cast or 'contextlib.nullcontext()'}:",
+        f"        out = module(*{args}, **{kwargs})",
+        '    print("module", TREE["class"], "output:", *[stats(t) for t in outputs(out)])',
+        '    if born(out, "nan") or born(out, "inf"):',
+        '        print("reproduced by the module\'s own class:", TREE["class"],',
+        f'              "- the birth:", {str(fault.get("op"))!r})',
+        "        sys.exit(1)",
+        '    print("the module\'s class gave no such value; the recorded ops follow")',
+        "except Exception as e:  # not importable here, or built differently",
+        '    print("the module\'s class cannot be used here (", type(e).__name__, e, ")",',
+        '          "- the recorded ops follow")',
+        "",
+        "# 2. The ops the replay recorded, from the module's inputs to the birth.",
+    ]
+
+
 def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write ``bundle`` as a standalone script at ``path`` and its tensors beside it
     (``path`` with the suffix ``.pt``); the two paths. :class:`ReproError` when the
@@ -216,6 +343,11 @@ def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Pat
             "sys.exit(1 if bad else 0)",
         ]  # fmt: skip
     else:
+        if spike is None and module is not None:
+            mod_lines = _module_lines(module, fault, p.get("context"), tensors)
+            if mod_lines:
+                head.insert(head.index("import sys"), "import contextlib")
+                body += mod_lines
         tape = bundle.tape
         if tape is None and isinstance(p.get("single"), dict):
             single = p["single"]
@@ -271,7 +403,8 @@ def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Pat
                 "print('the step ran through with no birth recorded: not reproduced')",
                 "sys.exit(0)",
             ]
-    text = "\n".join(head) + "\n" + _CHECK + "\n\n" + "\n".join(body) + "\n"
+    rebuild = _REBUILD if any(k.startswith("s:") for k in tensors) else ""
+    text = "\n".join(head) + "\n" + _CHECK + rebuild + "\n\n" + "\n".join(body) + "\n"
     script.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in tensors.items()}, data)
     script.write_text(text)
