@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_monitor.py
 	$(PY) benchmarks/bench_guard.py
 	$(PY) benchmarks/bench_fp8_emulation.py
+	$(PY) benchmarks/bench_repro.py
 
 # One table of what only a CUDA device can show (README, "GPU check"); without CUDA
 # it says so and exits 0. ARGS=--quick: the same models, fewer steps.
