@@ -17,9 +17,9 @@ literals written with ``repr``; a bundle cannot put code of its own into it.
 from __future__ import annotations
 
 import keyword
-import re
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
