@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -502,8 +503,12 @@ def repro_cmd(
             raise _fail(str(e)) from None
         except OSError as e:
             raise _write_failed(e, script) from None
+        if as_json:
+            print(json.dumps({"script": str(py), "tensors": str(data)}))
+            return
         _out.print(f"script: {escape(str(py))}\ntensors: {escape(str(data))}")
-        _out.print(f"run: python {escape(str(py))} \\[device]   (exit 1 when it reproduces)")
+        run = f"python {shlex.quote(str(py))}"
+        _out.print(f"run: {escape(run)} \\[device]   (exit 1 when it reproduces)")
         return
     try:
         outcome = reproduce(loaded, device)

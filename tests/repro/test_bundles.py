@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import floatguard.cli as cli
 from floatguard import ResponsePolicy, SpikePolicy
@@ -332,3 +333,121 @@ def test_the_report_links_each_bundle(runs: dict[str, sc.Outcome], tmp_path: Pat
     (href,) = re.findall(r"<a href='([^']+\.fgr)'>", page)
     assert (out / href).resolve() == run.bundles[0].resolve()
     assert f"floatguard repro {run.bundles[0]}" in page
+
+
+def test_torch_modules_are_rebuilt_by_their_class(tmp_path: Path) -> None:
+    """A Linear without bias (a None parameter) and a MultiheadAttention (private plain
+    attributes) come back from their import paths, and the script re-raises by them."""
+    from torch import nn
+
+    import floatguard
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8, bias=False)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            return self.head(self.attn(h, h, h)[0])
+
+    scripts = []
+    for name, big in (("proj", 3e38), ("attn", None)):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        folder = tmp_path / name
+        guard = floatguard.Guard(model, opt, response=ResponsePolicy(repro_dir=folder))
+        y = torch.randn(2, 3, 1)
+        for step in range(3):
+            x = torch.randn(2, 3, 8)
+            if step == 2 and big is not None:  # finite inputs; the GEMM's sum overflows
+                with torch.no_grad():
+                    model.proj.weight.fill_(1.0)
+                x = torch.full((2, 3, 8), big)
+            if step == 2 and big is None:  # attention scores overflow: softmax of inf
+                model.attn.register_forward_pre_hook(lambda m, a: tuple(t * 1e30 for t in a))
+            r = guard.step(lambda x=x, m=model, y=y: F.mse_loss(m(x), y))
+        guard.close()
+        assert r.fault is not None and r.fault.module == name, r.fault
+        (bundle,) = sorted(folder.glob("*.fgr"))
+        py, _ = write_script(load_bundle(bundle), tmp_path / f"{name}.py")
+        scripts.append(py)
+    for py in scripts:
+        done = subprocess.run(
+            [sys.executable, "-I", str(py)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "reproduced by the module's own class: torch.nn.modules." in done.stdout
+
+
+def test_script_and_device_mistakes_are_one_line(
+    runs: dict[str, sc.Outcome], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(runs["forward_op"].bundles[0])
+    fifo = tmp_path / "pipe.py"
+    os.mkfifo(fifo)
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "repro.pt").mkdir()  # the tensors' file name taken by a folder
+    cases = {
+        ("--script", str(fifo)): "not a regular file",
+        ("--script", str(tmp_path / "ro" / "repro.py")): "not a regular file",
+        ("--script", "x.pt"): "name the script",
+        ("--device", "meta"): "meta tensor holds no values",
+        ("--device", "gpu"): "is not a device",
+    }
+    for args, words in cases.items():
+        with pytest.raises(SystemExit) as info:
+            cli.main(["repro", path, *args])
+        captured = capsys.readouterr()
+        lines = [ln for ln in (captured.out + captured.err).splitlines() if ln.strip()]
+        assert info.value.code == 2 and len(lines) == 1 and words in lines[0], (args, lines)
+    # --json with --script: the two paths, as JSON
+    with pytest.raises(SystemExit):
+        cli.main(["repro", path, "--script", str(tmp_path / "r.py"), "--json"])
+    assert json.loads(capsys.readouterr().out) == {
+        "script": str(tmp_path / "r.py"),
+        "tensors": str(tmp_path / "r.pt"),
+    }
+
+
+def test_a_mask_made_before_the_birth_is_not_a_birth() -> None:
+    """A tape whose ops make a -inf from finite inputs (T5's log of a zero relative
+    position) before the birth: the re-run names the birth, not the mask."""
+    from floatguard.repro.bundle import run_tape
+
+    zero, neg = torch.zeros(3), -torch.ones(3)
+    tape = {
+        "ops": [
+            {"op": "aten.log.default", "args": {"tuple": [{"t": 0}]}, "kwargs": {"kwargs": {}},
+             "out": {"t": 2}},
+            {"op": "aten.sqrt.default", "args": {"tuple": [{"t": 1}]}, "kwargs": {"kwargs": {}},
+             "out": {"t": 3}},
+        ],
+        "leaves": {0: zero, 1: neg},
+        "birth": 1,
+    }  # fmt: skip
+    run = run_tape(tape, torch.device("cpu"))
+    assert run.first == 1 and run.first_op == "aten.sqrt.default"
+    assert bool(run.slots[2].eq(-math.inf).all()) and bool(run.birth_out[0].isnan().all())
+
+
+def test_the_report_says_which_bundles_are_gone(tmp_path: Path) -> None:
+    from floatguard.report.page import render_report
+
+    plants = {4: sc.forward_log, 6: sc.grad_hook, 8: sc.nan_input}
+
+    def plant(m: sc.TwoBlocks, o: Any, x: Any, y: Any) -> Any:
+        step = plant.step  # type: ignore[attr-defined]
+        plant.step += 1  # type: ignore[attr-defined]
+        m.b.mode = None
+        return plants[step](m, o, x, y) if step in plants else None
+
+    plant.step = 4  # type: ignore[attr-defined]
+    run = sc.run(tmp_path / "run", plant, at=4, steps=9, keep=1, every=True)
+    assert len(run.bundles) == 1
+    render_report([run.folder / "events.jsonl"], tmp_path / "report")
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert page.count("pruned by repro_keep") == 2 and page.count(".fgr'>") == 1

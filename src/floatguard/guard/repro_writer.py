@@ -91,32 +91,51 @@ def _plain_attr(v: Any, depth: int = 0) -> bool:
     return False
 
 
+_MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping (hooks, dicts)
+
+
 def _tree(m: nn.Module, depth: int = 0) -> dict[str, Any] | None:
     """How to build ``m`` again without its ``__init__``: its class's import path, its
-    plain attributes (numbers, strings, tuples of them), its parameters' and buffers'
-    names, its children; ``other`` names the attributes that are none of these (a
-    config object, a function) and cannot be written. None past 32 levels."""
+    plain attributes (numbers, strings, tuples of them; private ones too, such as
+    MultiheadAttention's ``_qkv_same_embed_dim``), its parameters' and buffers' names
+    (a ``None`` one, like ``Linear(bias=False)``'s bias, as such), its children;
+    ``other`` names the attributes that are none of these (a config object, a
+    function) and cannot be written. None past 32 levels."""
     if depth > 32:
         return None
     cls = type(m)
     attrs: dict[str, Any] = {}
     other: list[str] = []
     for k, v in vars(m).items():
-        if k.startswith("_"):
+        if k in _MODULE_OWN and k != "training":
             continue
         if _plain_attr(v):
             attrs[k] = list(v) if isinstance(v, list) else v
         else:
             other.append(k)
     persistent = set(m.state_dict(keep_vars=True).keys())
+    own = dict(m.named_parameters(recurse=False))
+    bufs = dict(m.named_buffers(recurse=False))
+    params = [[k, k in own] for k in _registered(m, "_parameters")]
+    buffers = [[k, k in bufs, k in persistent or k not in bufs] for k in _registered(m, "_buffers")]
+    children: dict[str, Any] = {}
+    for k, c in m.named_children():
+        children[k] = _tree(c, depth + 1)
     return {
         "class": f"{cls.__module__}:{cls.__qualname__}",
         "attrs": attrs,
         "other": other,
-        "params": [k for k, _ in m.named_parameters(recurse=False)],
-        "buffers": [[k, k in persistent] for k, _ in m.named_buffers(recurse=False)],
-        "children": {k: _tree(c, depth + 1) for k, c in m.named_children()},
+        "params": params,
+        "buffers": buffers,
+        "children": children,
     }
+
+
+def _registered(m: nn.Module, table: str) -> list[str]:
+    """The names registered in one of nn.Module's tables, ``None`` entries included
+    (``named_parameters`` leaves those out; ``Linear(bias=False)`` has one)."""
+    entries = vars(m).get(table)
+    return [str(k) for k in entries] if isinstance(entries, dict) else []
 
 
 def _shared(payload: Any) -> Any:

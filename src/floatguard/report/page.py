@@ -543,11 +543,15 @@ def _repro_section(log: RunLog, out: Path) -> str:
             if seen is False
             else "not replayed"
         )
+        if path and Path(path).is_file():
+            name = f"<a href='{_e(_repro_href(path, out))}'>{_e(Path(path).name)}</a>"
+            rerun = f"<code>floatguard repro {_e(path)}</code>"
+        else:  # pruned (repro_keep), moved, or on another machine
+            name = f"{_e(Path(path).name)} <span class='muted'>(not on disk here)</span>"
+            rerun = "<span class='muted'>pruned by repro_keep, or moved</span>"
         rows.append(
-            f"<tr><td>{e.step}{on}</td><td><a href='{_e(_repro_href(path, out))}'>"
-            f"{_e(Path(path).name)}</a></td><td>{_e(e.fields.get('level'))}</td>"
-            f"<td>{_e(e.fields.get('bytes'))}</td><td>{_e(again)}</td>"
-            f"<td><code>floatguard repro {_e(path)}</code></td></tr>"
+            f"<tr><td>{e.step}{on}</td><td>{name}</td><td>{_e(e.fields.get('level'))}</td>"
+            f"<td>{_e(e.fields.get('bytes'))}</td><td>{_e(again)}</td><td>{rerun}</td></tr>"
         )
     return (
         f"<h2>Repro bundles ({len(written)})</h2><p class='muted'>Each re-raises its fault "

@@ -397,8 +397,13 @@ def run_tape(tape: dict[str, Any], device: torch.device, *, upto: int | None = N
             outs = []
         assign(op.get("out"), out, slots)
         if run.first is None and level < 2:
+            # From finite inputs, an output holding -inf only is a mask (T5's log of a
+            # zero relative position, an attention bias) unless it is the birth itself.
             levels = [finite_level(t) for t in outs]
-            if (level == 0 and any(levels)) or (level == 1 and _kind_matches(outs, "nan")):
+            top = max(levels, default=0)
+            if (level == 0 and (top == 2 or (top == 1 and i == birth))) or (
+                level == 1 and _kind_matches(outs, "nan")
+            ):
                 run.first, run.first_op = i, str(op.get("op"))
         if i == birth:
             run.birth_out = outs
@@ -413,8 +418,15 @@ def _device(device: str | torch.device) -> torch.device:
         raise ReproError(
             f"--device {device!r} is not a device (use cpu, cuda, cuda:1, mps)"
         ) from None
+    if dev.type == "meta":
+        raise ReproError(f"--device {device}: a meta tensor holds no values (use --device cpu)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ReproError(f"--device {device}: this machine has no CUDA device (use --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ReproError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+            "(use --device cuda:0)"
+        )
     return dev
 
 

@@ -16,6 +16,7 @@ literals written with ``repr``; a bundle cannot put code of its own into it.
 
 from __future__ import annotations
 
+import io
 import keyword
 import math
 import os
@@ -173,10 +174,10 @@ def rebuild(tree, prefix):
     torch.nn.Module.__init__(m)
     for k, v in tree["attrs"].items():
         setattr(m, k, v)
-    for k in tree["params"]:
-        m.register_parameter(k, torch.nn.Parameter(T["s:" + prefix + k]))
-    for k, persistent in tree["buffers"]:
-        m.register_buffer(k, T["s:" + prefix + k], persistent=persistent)
+    for k, present in tree["params"]:
+        m.register_parameter(k, torch.nn.Parameter(T["s:" + prefix + k]) if present else None)
+    for k, present, persistent in tree["buffers"]:
+        m.register_buffer(k, T["s:" + prefix + k] if present else None, persistent=persistent)
     for k, child in tree["children"].items():
         m.add_module(k, rebuild(child, prefix + k + "."))
     return m
@@ -188,21 +189,26 @@ def _tree_ok(tree: Any, depth: int = 0) -> bool:
     if not isinstance(tree, dict) or depth > 32:
         return False
     mod, _, qual = str(tree.get("class")).partition(":")
+    params, buffers = tree.get("params"), tree.get("buffers")
+    if not isinstance(params, list) or not isinstance(buffers, list):
+        return False
+    entries_ok = all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[1], bool) for p in params
+    ) and all(
+        isinstance(b, list) and len(b) == 3 and all(isinstance(x, bool) for x in b[1:])
+        for b in buffers
+    )
+    if not entries_ok:
+        return False
     names_ok = all(
         isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k)
-        for k in [*(tree.get("attrs") or {}), *(tree.get("params") or [])]
+        for k in [*(tree.get("attrs") or {}), *(e[0] for e in [*params, *buffers])]
     )
     return (
         bool(_DOTTED.match(mod))
         and bool(_DOTTED.match(qual))
         and isinstance(tree.get("attrs"), dict)
         and names_ok
-        and isinstance(tree.get("params"), list)
-        and isinstance(tree.get("buffers"), list)
-        and all(
-            isinstance(b, list) and len(b) == 2 and isinstance(b[0], str) and b[0].isidentifier()
-            for b in tree["buffers"]
-        )
         and isinstance(tree.get("children"), dict)
         and all(
             isinstance(k, str) and k.isidentifier() and _tree_ok(c, depth + 1)
@@ -231,36 +237,31 @@ def _module_lines(
     module: dict[str, Any], fault: dict[str, Any], context: Any, tensors: dict[str, torch.Tensor]
 ) -> list[str]:
     """The script lines that call the birth module's own class (when importable where
-    the script runs) on its recorded inputs; [] when the bundle cannot support it."""
-    tree, inputs, state = module.get("tree"), module.get("inputs"), module.get("state")
-    if fault.get("phase") != "forward" or not _tree_ok(tree):
-        return []
-    if not isinstance(inputs, dict) or not isinstance(state, dict):
-        return []
-    calls = inputs.get("calls")
-    leaves = inputs.get("leaves")
-    if not (isinstance(calls, dict) and isinstance(leaves, dict)):
-        return []
-    call = calls.get("kwargs")
-    if not isinstance(call, dict) or set(call) != {"args", "kwargs"}:
-        return []
-    try:
-        args = _lit(call["args"], "m")
-        kwargs = _lit(call["kwargs"], "m")
-    except ReproError:
-        return []
+    the script runs) on its recorded inputs; where the bundle cannot support that, a
+    line that says why (the recorded ops follow either way)."""
+    why = _class_step_missing(module, fault)
+    if why is not None:
+        return [f"print({('the module' + chr(39) + 's class is not re-run: ' + why)!r})", ""]
+    tree, inputs, state = module["tree"], module["inputs"], module["state"]
+    call = inputs["calls"]["kwargs"]
+    args = _lit(call["args"], "m")
+    kwargs = _lit(call["kwargs"], "m")
+    leaves = inputs["leaves"]
     for k, t in state.items():
-        if not isinstance(k, str) or not isinstance(t, torch.Tensor):
-            return []
         tensors[f"s:{k}"] = t
     for slot, t in leaves.items():
-        if not isinstance(slot, int) or not isinstance(t, torch.Tensor):
-            return []
         tensors[f"m{slot}"] = t
     auto = context.get("autocast") if isinstance(context, dict) else None
     cast = f"torch.autocast(dev.type, dtype=torch.{auto})" if auto in _DTYPES else None
+    other = [str(o) for o in tree.get("other") or []]
+    said = (
+        f"the module holds attributes a bundle cannot write ({', '.join(other[:4])}): "
+        "its class may not run without them"
+    )
+    caveat = [f"print({said!r})"] if other else []
     return [
         "# 1. The module's own class, from its import path, on the inputs it had.",
+        *caveat,
         f"TREE = {_plain_lit(tree)}",
         *[f'm{s} = T["m{s}"].to(dev)' for s in sorted(leaves)],
         "try:",
@@ -281,12 +282,49 @@ def _module_lines(
     ]
 
 
+def _class_step_missing(module: dict[str, Any], fault: dict[str, Any]) -> str | None:
+    """Why the module's class cannot be re-run from this bundle (None: it can)."""
+    if fault.get("phase") != "forward":
+        return f"the value was born in the {fault.get('phase')} pass, not the module's forward"
+    tree, inputs, state = module.get("tree"), module.get("inputs"), module.get("state")
+    if not _tree_ok(tree):
+        return "the module's structure was not recorded in a form a script can hold"
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in state.items()
+    ):
+        return "its parameters and buffers were not recorded"
+    if not isinstance(inputs, dict):
+        return (
+            "its call's inputs could not be written (an argument that is not a tensor, "
+            "a number or a string: a cache object, a function)"
+        )
+    calls, leaves = inputs.get("calls"), inputs.get("leaves")
+    call = calls.get("kwargs") if isinstance(calls, dict) else None
+    if not isinstance(call, dict) or set(call) != {"args", "kwargs"}:
+        return "its call's inputs were not recorded"
+    if not isinstance(leaves, dict) or not all(
+        isinstance(k, int) and isinstance(t, torch.Tensor) for k, t in leaves.items()
+    ):
+        return "its call's inputs were not recorded"
+    try:
+        _lit(call["args"], "m")
+        _lit(call["kwargs"], "m")
+    except ReproError:
+        return "its call's inputs hold a value a script cannot write"
+    return None
+
+
 def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write ``bundle`` as a standalone script at ``path`` and its tensors beside it
     (``path`` with the suffix ``.pt``); the two paths. :class:`ReproError` when the
     bundle holds nothing a script can re-run."""
     script = Path(path)
+    if not script.name or script.name in (".", ".."):
+        raise ReproError(f"--script {str(path)!r}: name the script file (repro.py)")
     data = script.with_suffix(".pt")
+    for target in (script, data):
+        if target.exists() and not target.is_file():
+            raise ReproError(f"--script {path}: {target} exists and is not a regular file")
     p = bundle.payload
     fault = bundle.fault or {}
     spike = bundle.spike
@@ -345,9 +383,9 @@ def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Pat
     else:
         if spike is None and module is not None:
             mod_lines = _module_lines(module, fault, p.get("context"), tensors)
-            if mod_lines:
+            if any(k.startswith("s:") for k in tensors):
                 head.insert(head.index("import sys"), "import contextlib")
-                body += mod_lines
+            body += mod_lines
         tape = bundle.tape
         if tape is None and isinstance(p.get("single"), dict):
             single = p["single"]
@@ -406,7 +444,9 @@ def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Pat
     rebuild = _REBUILD if any(k.startswith("s:") for k in tensors) else ""
     text = "\n".join(head) + "\n" + _CHECK + rebuild + "\n\n" + "\n".join(body) + "\n"
     script.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().clone() for k, v in tensors.items()}, data)
+    buf = io.BytesIO()  # (torch.save into a path it cannot open is a RuntimeError)
+    torch.save({k: v.detach().clone() for k, v in tensors.items()}, buf)
+    data.write_bytes(buf.getvalue())
     script.write_text(text)
     return script, data
 
