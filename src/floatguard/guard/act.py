@@ -75,6 +75,8 @@ class Actor:
         decision, fault = verdict.decision, verdict.fault
         if fault is not None:
             self.emit.fault(step, fault, decision.cause, batch)
+            for other in verdict.also:  # another rank's own fault of the same step
+                self.emit.fault(step, other, decision.cause, batch)
         if decision.response == "apply":
             return "applied", self._apply(step, read, verdict, snapshot)
         self.state.restore_buffers()  # a step not applied leaves no trace in them

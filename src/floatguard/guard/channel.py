@@ -96,6 +96,9 @@ class ReadChannel:
         # them): only then can a gradient be Partial.
         self._placed = any(is_dtensor(p) for p in model.parameters())
         self.finished = self.closed = False
+        # The other ranks' distinct faults of the last agreement (not the one chosen):
+        # each is an event too, so a second bad host is not invisible.
+        self.others: list[Fault] = []
 
     @property
     def rank(self) -> int:
@@ -245,6 +248,7 @@ class ReadChannel:
         ``rare``: a finding is rare (the snapshot step's state check): the ranks first
         count their findings (one all-reduce of one number) and all-gather only if one
         has one."""
+        self.others = []
         if self.peers is None:
             return local
         if rare and self.peers.count(local is not None, f"count of the {what}'s findings") == 0:
@@ -259,6 +263,13 @@ class ReadChannel:
         if not found:
             return None
         best = found[0]
+        seen = {(best.rank, best.module, best.tensor)}
+        for f in found[1:]:  # every distinct (rank, module, tensor) finding, in rank order
+            key = (f.rank, f.module, f.tensor)
+            if key not in seen:
+                seen.add(key)
+                self.others.append(mine if mine is not None and f == mine else f)
+        self.others.sort(key=lambda f: f.rank or 0)
         if mine is not None and best == mine:
             best = mine  # this rank's own finding, with its value statistics (not sent)
         if best.deterministic is not True and bad_ranks:

@@ -35,6 +35,9 @@ class Verdict:
     spike: str | None = None  # "loss_spike" | "grad_norm_spike"
     spike_value: float = math.nan
     spike_reproduced: bool | None = None
+    # Under torch.distributed, the other ranks' distinct faults of the step (logged
+    # too; the action answers ``fault``).
+    also: tuple[Fault, ...] = ()
 
 
 class Judge:
@@ -110,7 +113,8 @@ class Judge:
                 decision = policy.decide(
                     dataclasses.replace(evidence, fault=fault), ladder, self.response
                 )
-        return Verdict(decision, fault, clip, amax, spike, value, reproduced)
+        also = tuple(self.channel.others) if fault is not None else ()
+        return Verdict(decision, fault, clip, amax, spike, value, reproduced, also)
 
     def localize(
         self, step: int, read: StepRead, closures: Sequence[Closure], after_update: bool
