@@ -42,7 +42,13 @@ FIELD_TYPES: dict[str, dict[str, str]] = {
     "snapshot": {"where": "str?"},
     "snapshot_error": {"where": "str?", "error": "str?", "policy": "str?"},
     "snapshot_fallback": {"bad": "str?", "error": "str?", "used": "str?"},
-    "resume": {"from_step": "int?", "path": "str?", "newest_step": "int?", "ranks_behind": "list?"},
+    "resume": {
+        "from_step": "int?",
+        "path": "str?",
+        "newest_step": "int?",
+        "ranks_behind": "list?",
+        "written_world_size": "int?",
+    },
     "warning": {"transients": "int?", "message": "str?", "code": "str?", "evidence": "dict?"},
     "stats": {"tensors": "list?"},
     "repro": {

@@ -65,7 +65,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "snapshot": ("where",),
         "snapshot_error": ("where", "error", "policy"),
         "snapshot_fallback": ("bad", "error", "used"),
-        "resume": ("from_step", "path", "newest_step", "ranks_behind"),
+        "resume": ("from_step", "path", "newest_step", "ranks_behind", "written_world_size"),
         "warning": ("transients", "message", "code", "evidence"),
         "stats": ("tensors",),
         "stop": ("reason", "fault"),

@@ -76,7 +76,10 @@ def test_state_dict_and_snapshot_meta_keys(tmp_path: Path) -> None:
     assert set(sd["counters"]) == OLD_COUNTERS | NEW_COUNTERS
     assert sd["step_count"] == 5 and sd["counters"]["good"] == 4
     snap = guard.last_snapshot
-    assert snap is not None and set(snap.meta) == OLD_COUNTERS | NEW_COUNTERS | {"step_rng"}
+    assert snap is not None
+    assert set(snap.meta) == OLD_COUNTERS | NEW_COUNTERS | {"step_rng", "layout"}
+    # the world it was written in (issue 38): a snapshot without it (older) still loads
+    assert snap.meta["layout"] == {"world_size": 1, "meshes": []}
     # A state saved by a guard set up differently is refused by name.
     other = Guard(model, opt, spikes=None)
     del sd["loss_detector"]

@@ -162,10 +162,21 @@ class GuardEvents:
         self.log.emit("snapshot_fallback", step, bad=bad, error=error, used=used)
 
     def resume(
-        self, step: int, path: str, newest: int | None = None, behind: list[int] | None = None
+        self,
+        step: int,
+        path: str,
+        newest: int | None = None,
+        behind: list[int] | None = None,
+        written_world_size: int | None = None,
     ) -> None:
         self.log.emit(
-            "resume", step, from_step=step, path=path, newest_step=newest, ranks_behind=behind
+            "resume",
+            step,
+            from_step=step,
+            path=path,
+            newest_step=newest,
+            ranks_behind=behind,
+            written_world_size=written_world_size,
         )
 
     def warning(

@@ -10,6 +10,7 @@ import torch
 
 from floatguard.causes import CAUSES, Cause
 from floatguard.guard import policy
+from floatguard.guard.layout import check_layout, layout_of
 from floatguard.guard.resume_agree import agreed_load
 from floatguard.guard.types import StepResult
 from floatguard.stability.step_state import set_rng_state
@@ -36,6 +37,7 @@ class GuardPersistence:
     skipped itself. The attributes below are the guard's own."""
 
     step_count: int
+    _layout_memo: dict[str, Any] | None = None
     _ladder: policy.LadderState
     _previous_applied: bool
     _snapshot_pending: bool
@@ -72,7 +74,19 @@ class GuardPersistence:
 
     def _snapshot_meta(self, state: policy.LadderState | None = None) -> dict[str, Any]:
         ladder = state or self._ladder
-        return {**ladder.to_meta(), "step_rng": dict(self._state.rng)}
+        return {
+            **ladder.to_meta(),
+            "step_rng": dict(self._state.rng),
+            "layout": self._layout(),
+        }
+
+    def _layout(self) -> dict[str, Any]:
+        """The world this rank's snapshots are written in: the world size and the
+        DTensor meshes of the model's parameters (FSDP2, tensor parallelism), so that
+        a resume in another world can refuse what it cannot load, or say what changed."""
+        if self._layout_memo is None:
+            self._layout_memo = layout_of(self._model, self._channel.peers)
+        return self._layout_memo
 
     def _vouch_initial(self, step: int, magnitudes: Any) -> None:
         """The first snapshot (taken as the first step began) vetted with the magnitudes
@@ -100,7 +114,7 @@ class GuardPersistence:
                 return state or self._ladder
             amax = vetting.amax
         ladder = policy.snapshot_taken(state or self._ladder)
-        meta = {**ladder.to_meta(), "step_rng": dict(self._state.rng)}
+        meta = self._snapshot_meta(ladder)
         self._keeper.take(step, self._stateful(), meta, amax, good_steps=ladder.good_steps)
         self._ladder = ladder
         return ladder
@@ -145,6 +159,7 @@ class GuardPersistence:
             )
             newest = agreed.newest if agreed.newest != agreed.step else None
             behind = list(agreed.behind) or None
+        written = check_layout(snap.meta.get("layout"), self._layout(), used)
         snap.restore(objects)
         self._load_counters(snap.meta)
         self.step_count = snap.step
@@ -152,7 +167,7 @@ class GuardPersistence:
         self._snapshot_pending = False  # the snapshot resumed from is the one to keep
         self._previous_applied = False
         self._state.save()
-        self._emit.resume(snap.step, str(used), newest, behind)
+        self._emit.resume(snap.step, str(used), newest, behind, written)
         return snap.step
 
     def _load_counters(self, meta: dict[str, Any]) -> None:
