@@ -171,9 +171,9 @@ def test_ranks_with_different_newest_snapshots_resume_from_the_common_step(
     ev0, ev1 = _resume_events(root, 0), _resume_events(root, 1)
     path0, path1 = str(_snap(root, 0, 6)), str(_snap(root, 1, 6))
     assert ev0 == [{"step": 6, "from_step": 6, "path": path0, "newest_step": 8,
-                    "ranks_behind": [1]}]  # fmt: skip
+                    "ranks_behind": [1], "written_world_size": 2}]  # fmt: skip
     resume1 = {"step": 6, "from_step": 6, "path": path1, "newest_step": None,
-               "ranks_behind": [1]}  # fmt: skip
+               "ranks_behind": [1], "written_world_size": 2}  # fmt: skip
     if loss == "deleted":
         assert ev1 == [resume1]
     else:  # passed over, saying why

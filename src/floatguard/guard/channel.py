@@ -266,7 +266,11 @@ class ReadChannel:
         seen = {(best.rank, best.module, best.tensor)}
         for f in found[1:]:  # every distinct (rank, module, tensor) finding, in rank order
             key = (f.rank, f.module, f.tensor)
-            if key not in seen:
+            # A rank's own localized fault only (an op named: not the agreed loss it
+            # saw), reproduced there or with a bad local loss/norm before the reduction:
+            # not a value the gradient all-reduce brought it.
+            own = f.op is not None and (f.deterministic is True or f.rank in bad_ranks)
+            if own and key not in seen:
                 seen.add(key)
                 self.others.append(mine if mine is not None and f == mine else f)
         self.others.sort(key=lambda f: f.rank or 0)

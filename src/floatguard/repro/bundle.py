@@ -35,7 +35,6 @@ import hashlib
 import io
 import math
 import os
-import stat
 import struct
 import tempfile
 import warnings
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+from floatguard._safe_io import NotRegularFile, read_regular
 from floatguard.repro._ops import assign, decode, finite_level, op_named
 
 __all__ = ["ReproBundle", "ReproError", "ReproOutcome", "load_bundle", "reproduce", "save_bundle"]
@@ -94,28 +94,14 @@ def save_bundle(payload: dict[str, Any], path: str | os.PathLike[str]) -> tuple[
 
 def _read_regular(path: Path) -> bytes:
     """The bytes of a regular file, opened without blocking, read up to its size."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        return read_regular(path)
     except FileNotFoundError:
         raise ReproError(f"{path}: no such file") from None
+    except NotRegularFile:
+        raise ReproError(f"{path} is not a regular file: not a repro bundle") from None
     except OSError as e:
         raise ReproError(f"{path}: cannot be opened ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ReproError(f"{path} is not a regular file: not a repro bundle")
-        chunks = []
-        left = st.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def _verified(path: Path, raw: bytes) -> memoryview:

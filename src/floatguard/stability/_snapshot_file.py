@@ -15,6 +15,8 @@ import re
 import struct
 from pathlib import Path
 
+from floatguard._safe_io import read_regular
+
 __all__ = [
     "TEMP_NAME",
     "ForeignSnapshotError",
@@ -84,9 +86,8 @@ def read_identity(path: str | os.PathLike[str]) -> tuple[int | None, str | None]
     """(step, run id) from a snapshot file's header, unverified (the header alone is
     read: for bookkeeping such as pruning, never for loading); (None, None) for a
     format 1 file; None when the file is not a snapshot or cannot be read."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(len(MAGIC) + _HEADER.size)
+    try:  # without blocking, a regular file only (a FIFO named like one: None)
+        head = read_regular(path, len(MAGIC) + _HEADER.size)
     except OSError:
         return None
     if head.startswith(_MAGIC_V1):

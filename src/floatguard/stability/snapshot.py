@@ -50,6 +50,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from floatguard._foreach import is_dtensor
+from floatguard._safe_io import NotRegularFile, read_regular
 from floatguard.stability._host_copy import HostCopy, HostShard, host_buffer
 from floatguard.stability._process import writer_gone, writer_tag
 from floatguard.stability._snapshot_file import (
@@ -498,6 +499,19 @@ def _fsync_dir(folder: Path) -> None:
         os.close(dir_fd)
 
 
+def _read_file(p: Path) -> bytes:
+    """A snapshot file's bytes: without blocking, a regular file only, no further than
+    its size (a FIFO, a device or a directory named like a snapshot is SnapshotError)."""
+    try:
+        return read_regular(p)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no snapshot at {p}") from None
+    except NotRegularFile as e:
+        raise SnapshotError(f"{e}: not a snapshot") from None
+    except IsADirectoryError:
+        raise SnapshotError(f"{p} is a directory, not a snapshot") from None
+
+
 def load_snapshot(
     path: str | os.PathLike[str],
     map_location: str | torch.device | None = None,
@@ -518,9 +532,7 @@ def load_snapshot(
     load as one (``weights_only=True``: it cannot run code).
     """
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"no snapshot at {p}")
-    step, run, data = verified(p, p.read_bytes())
+    step, run, data = verified(p, _read_file(p))
     if step is not None:  # a format 1 file's step is in its payload: checked below
         check_name(p, step)
     check_run(p, run, run_id)
@@ -658,7 +670,7 @@ class SnapshotStore:
         expected = None if foreign else self.run_id
         for p in self.paths():
             try:
-                step, run, _ = verified(p, p.read_bytes())
+                step, run, _ = verified(p, _read_file(p))
                 if step is not None:
                     check_name(p, step)
                 check_run(p, run, expected)

@@ -23,6 +23,7 @@ import errno
 import gc
 import json
 import os
+import stat
 import sys
 import time
 import uuid
@@ -31,6 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from floatguard._safe_io import read_regular
 from floatguard.stability._process import HOST, process_start, writer_tag
 from floatguard.stability._snapshot_file import SnapshotError
 
@@ -197,7 +199,26 @@ def _try_lock(
 ) -> tuple[int, tuple[int, int], dict[str, Any] | None] | dict[str, Any] | str:
     """(fd, inode, what a dead holder left or None) when the lock was taken; what the
     lock file says of its live holder when not; "again" when it cannot tell yet."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK):  # a symlink (or a FIFO)
+            _unlink_stranger(path)
+            return "again"
+        if e.errno == errno.EISDIR:
+            raise SnapshotError(
+                f"{path} is a directory: the snapshot folder's lock cannot be taken "
+                "(remove it, or use another snapshot_dir)"
+            ) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        # Not a file of ours (a FIFO, or a hard link to someone's file): never write
+        # into it; its name is taken away (the file it links to is left as it is).
+        os.close(fd)
+        _unlink_stranger(path)
+        return "again"
     try:
         if not _lock_fd(fd):
             owner = _read_owner(fd)
@@ -221,6 +242,25 @@ def _try_lock(
         os.close(fd)
         raise
     return fd, inode, left
+
+
+def _unlink_stranger(path: Path) -> None:
+    """Remove the name ``path`` when it is a link or a special file (a link's target,
+    a hard link's other names, keep their data); a regular file of one link stays."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        if not stat.S_ISDIR(st.st_mode):
+            warnings.warn(
+                f"floatguard: {path} was a {'link' if stat.S_ISLNK(st.st_mode) else 'stranger'}"
+                " (not a lock file floatguard wrote); its name is replaced, what it points "
+                "to is left as it is",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            path.unlink(missing_ok=True)
 
 
 def _lock_fd(fd: int) -> bool:
@@ -250,10 +290,12 @@ def read_run_id(folder: str | os.PathLike[str]) -> str | None:
     guard has written yet, or one written before run ids). An unreadable identity
     file is warned about and read as none (a resume then checks no run)."""
     path = Path(folder) / IDENTITY_FILE
-    try:
-        raw = path.read_text()
-    except FileNotFoundError:
+    try:  # without blocking, a regular file only, a small one
+        raw = read_regular(path, 1 << 16).decode("utf-8", errors="replace")
+    except (FileNotFoundError, NotADirectoryError):  # no file; the folder is gone
         return None
+    except OSError:  # a FIFO, a device, a directory by that name; unreadable
+        raw = ""
     try:
         run = json.loads(raw)["run_id"]
         if isinstance(run, str) and len(run) == 32 and int(run, 16) >= 0:

@@ -1,0 +1,66 @@
+"""Reading files in folders floatguard does not control: never block, never read past
+a file's real size, never read what is not a regular file.
+
+A FIFO named like a snapshot would block an ``open`` forever; a link to ``/dev/zero``
+would be read until memory runs out; a directory under a file's name raises
+``IsADirectoryError`` from deep inside. :func:`read_regular` opens without blocking
+(``O_NONBLOCK``), checks the opened file's type (``fstat``: what was opened, not what a
+name pointed to a moment before), and reads at most its size (and at most ``limit``).
+A non-regular file raises :class:`NotRegularFile` (an ``OSError``) naming what it is.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["NotRegularFile", "file_kind", "read_regular"]
+
+_CHUNK = 1 << 24
+
+
+class NotRegularFile(OSError):
+    """A path that names a FIFO, a device, a directory or a socket where a file was
+    expected."""
+
+
+def file_kind(mode: int) -> str:
+    """Words for a file type (``st_mode``)."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "not a regular file"
+
+
+def read_regular(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
+    """The bytes of the regular file at ``path`` (links followed to it), at most its
+    size and at most ``limit``; FileNotFoundError when there is none; NotRegularFile
+    for anything else, without blocking."""
+    p = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(p, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{p} is {file_kind(st.st_mode)}, not a regular file")
+        left = st.st_size if limit is None else min(st.st_size, limit)
+        chunks = []
+        while left > 0:
+            chunk = os.read(fd, min(left, _CHUNK))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
