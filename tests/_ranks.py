@@ -23,7 +23,12 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "floatguard"])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, init: str, out: str, args: tuple) -> None:  # type: ignore[type-arg]
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, init: str, out: str, args: tuple,  # type: ignore[type-arg]
+    pg_timeout_s: float | None,
+) -> None:  # fmt: skip
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,7 +36,10 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, init: str, out: str, a
     # stderr to a file per rank, so a test can read what the watchdog said
     err = open(os.path.join(out, f"stderr{rank}.txt"), "w", buffering=1)
     os.dup2(err.fileno(), 2)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    limit = None if pg_timeout_s is None else timedelta(seconds=pg_timeout_s)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=limit
+    )
     try:
         result = fn(rank, world, out, *args)
     except BaseException as e:
@@ -55,16 +63,18 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, init: str, out: str, a
 
 
 def run_ranks(
-    fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 120.0
+    fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 120.0,
+    pg_timeout_s: float | None = None,
 ) -> dict[int, Any]:
     """``fn(rank, world, out_dir, *args)`` on ``world`` processes; its return values by
     rank, or for a rank that died, ``{"exitcode": code, "stderr": text}``. A run past
-    ``timeout`` seconds is killed and fails the test."""
+    ``timeout`` seconds is killed and fails the test. ``pg_timeout_s``: the process
+    group's own timeout (``init_process_group(timeout=...)``; None: torch's default)."""
     out = tmp / f"ranks-{time.monotonic_ns()}"
     out.mkdir()
     init = out / "init"
     ctx = mp.start_processes(
-        _entry, args=(fn, world, str(init), str(out), args), nprocs=world, join=False,
+        _entry, args=(fn, world, str(init), str(out), args, pg_timeout_s), nprocs=world, join=False,
         start_method="forkserver",
     )  # fmt: skip
     deadline = time.monotonic() + timeout

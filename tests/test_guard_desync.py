@@ -184,9 +184,9 @@ CASES: list[tuple[str, bool, Want]] = [
             "idle",  # rank 1 ran out of data and stays alive without guard.finish()
             ddp,
             {
-                0: ("PeerFailed", 4, (1,), [f"no answer within {IDLE_TIMEOUT_S:g} s in {what} "
-                    "of guard step 4: rank 1 is alive, last began guard step 3",
-                    "A rank out of data must call guard.finish()"]),
+                0: ("PeerFailed", 4, (1,), [f"rank 0 stops: no answer within {IDLE_TIMEOUT_S:g} "
+                    f"s in {what} of guard step 4: rank 1 does not answer", "monitored_barrier "
+                    "found it missing", "A rank out of data must call guard.finish()"]),
                 1: ("PeerFailed", 4, (1,), ["rank 1 stops: rank 0 stopped at guard step 4"]),
             },
         )
@@ -194,20 +194,13 @@ CASES: list[tuple[str, bool, Want]] = [
     ],
     *[
         (
-            "raise",  # rank 1 raised outside its guard: its process ended (atexit ran)
-            ddp,
-            {0: ("PeerFailed", AT, (1,), ["guard step 3, but rank 1 exited after 3 guard "
-                 "steps without guard.finish() (ValueError: rank 1's data loader failed)"])},
-        )
-        for ddp in (True, False)
-    ],
-    *[
-        (
-            "kill",  # rank 1 was SIGKILLed: only its connection tells
-            ddp,
+            case,  # rank 1 raised outside its guard (its process ended), or was SIGKILLed:
+            ddp,  # only its closed connection tells, and torch's barrier
             {0: ("PeerFailed", AT, (1,), ["rank 0 stops at guard step 3: rank 1 is gone "
-                 f"(exited or killed): no answer ({what} failed: "])},
+                 f"(exited or killed): its connection closed in {what} (", "left no note and "
+                 "did not pass torch.distributed.monitored_barrier"])},
         )
+        for case in ("raise", "kill")
         for ddp, what in ((True, "DDP's gradient all-reduce"), (False, "the guard's step read"))
     ],
 ]  # fmt: skip

@@ -17,6 +17,7 @@ Reading order: :meth:`Guard.step`, then ``_step`` (one screen), then the methods
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,9 +93,14 @@ class Guard(GuardPersistence):
         log: a JSONL path for the event stream (events are kept in memory too).
         distributed: decide every step together over ``process_group`` (default: when
             torch.distributed is initialized); see :mod:`floatguard.distributed`.
-        peer_timeout_s, peer_grace_s: under torch.distributed, how long the guard's
-            own collectives wait for a silent peer, and how long a rank blocked in a
-            collective the guard does not own may stay blocked after a peer failed.
+        peer_timeout_s: under torch.distributed, the one bound on every wait the
+            guard owns: its collectives run on a group created with this timeout, so a
+            silent peer (stopped, killed, stuck in its data loader) ends every rank with
+            :class:`PeerFailed` naming it within ``peer_timeout_s`` + 5 s (None: the
+            process group's default). Waits the guard does not own (DDP's buffer
+            broadcast, FSDP's all-gathers) end at ``init_process_group(timeout=...)``.
+        peer_grace_s: deprecated, no effect (a rank blocked outside the guard's
+            collectives ends at the process group's own timeout).
 
     Two ways to drive it. ``step(closure)``: the closure runs the forward and returns
     the loss (it must capture its batch, so a replay sees the same data); a sequence
@@ -122,12 +128,20 @@ class Guard(GuardPersistence):
         distributed: bool | None = None,
         process_group: Any = None,
         peer_timeout_s: float | None = 600.0,
-        peer_grace_s: float | None = 10.0,
+        peer_grace_s: float | None = None,
         step_scheduler: bool = True,
         clipped_before: bool = False,
         trend: TrendPolicy | None = None,
     ) -> None:
         check_args(model, optimizer, precision, watch, scaler, stats_every)
+        if peer_grace_s is not None:
+            warnings.warn(
+                "floatguard: Guard(peer_grace_s=...) has no effect any more: a rank blocked "
+                "in a collective the guard does not own ends at the process group's own "
+                "timeout (init_process_group(timeout=...)); peer_timeout_s bounds the guard's",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if distributed is None:
             import torch.distributed as dist
 
@@ -165,7 +179,6 @@ class Guard(GuardPersistence):
             Peers(
                 process_group,
                 timeout_s=peer_timeout_s,
-                grace_s=peer_grace_s,
                 device=self._device,
                 on_stop=self._emit.stop,
             )

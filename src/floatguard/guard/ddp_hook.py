@@ -13,11 +13,10 @@ Words used here:
   good): :class:`CommHookSlot` runs the open guard's :class:`DDPReadHook`, or DDP's
   default all-reduce once that guard is closed; a later guard on the same model takes
   the slot over (:func:`attach`).
-- *gated*: every CPU bucket's future is :meth:`Peers.gated`'s, completed with the
-  all-reduce or with this rank's failure, so DDP's backward raises a peer's failure, a
-  finish, a lost connection or the timeout instead of waiting forever. A CUDA bucket
-  keeps the backend's own future (its stream order; NCCL's own watchdog ends a wait
-  there).
+- *the timed group*: the hook all-reduces on the guard's group created with
+  ``peer_timeout_s`` (:class:`~floatguard.guard.peers.Peers`), so a silent peer ends
+  DDP's backward with the backend's error after that long, which the guard explains
+  (a CUDA bucket's wait belongs to NCCL's own watchdog).
 
 Norm and overflow need no reduction (DDP's gradients are the same average on every
 rank). Bad bits and armed bits name ranks below 24 (float32's mantissa); above, the
@@ -96,16 +95,14 @@ class DDPReadHook:
         buf = bucket.buffer()
         extra = self._extras(buf.dtype, buf.device) if bucket.is_last() else None
         armed = self.pending is not None and extra is not None
-        step = self.pending[2] if self.pending is not None else self.peers.next_step()
         if extra is not None:
             self.pending = None
         n = buf.numel()
         both = buf.div_(self.world) if extra is None else torch.cat([buf.div(self.world), extra])
-        work = dist.all_reduce(both, group=self.group, async_op=True)
-        if both.is_cuda:  # the backend's own future keeps its stream order (not gated)
-            fut = work.get_future().then(lambda f: f.value()[0])
-        else:
-            fut = self.peers.gated(work, "DDP's gradient all-reduce", step)
+        group = self.peers.timed if self.peers.timed is not None else self.group  # (finished)
+        work = dist.all_reduce(both, group=group, async_op=True)
+        self.peers.launched = "DDP's gradient all-reduce"
+        fut = work.get_future().then(lambda f: f.value()[0])
 
         def split(f: Any) -> torch.Tensor:
             out: torch.Tensor = f.value()

@@ -1,292 +1,585 @@
-"""Peers: how a rank's guard sees the other ranks (see :mod:`floatguard.distributed`).
+"""Peers: how a rank's guard sees the other ranks, on torch.distributed's own machinery.
 
-Words used here (the tracked collectives, the failure and the region are
-:mod:`floatguard.guard.peer_waits`'):
+No thread, no at-exit handler, no ``os._exit``: every wait the guard owns is a
+collective on a group torch created with a timeout, and what a failure means is read
+from torch's own tools after it happened. Words used here:
 
-- *messages* (:mod:`floatguard.guard.peer_mail`), by kind: ``failed`` (a rank raised
-  out of its guard), ``stop`` (a rank stops with an error it found itself: the others
-  stop with the same class), ``finished`` (guard.finish() or guard.close() after n
-  steps), ``exited`` (the process ended without either, or a ``with`` block was left
-  by an error raised outside the guard); ``status?`` / ``status``.
-- *finish*: the end of the run, together: every rank tells the others after how many
-  steps, and waits until every one has said the same (a GuardDesync if not).
-- *the watchdog* (a thread): ends waits past ``timeout_s`` (asking the peers where they
-  are, to name the ones that did not arrive), and explains a wait whose connection
-  dropped (the peers that do not answer are gone).
+- *the guard's groups* (created once, by every rank, when the guard is built): ``timed``,
+  the guarded group's ranks and backend with ``timeout=peer_timeout_s``, carries every
+  collective of the guard (the step's read, DDP's gradient all-reduce through the
+  guard's comm hook, the bad-step all-gathers, the resume agreement): a wait for a
+  silent peer ends in the backend's own error after that long (under NCCL its watchdog
+  owns the wait, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``); ``side``, a gloo group with the
+  same timeout for the small host records (``timed`` itself under gloo); ``barrier``, a
+  gloo group for the one ``monitored_barrier`` after a failure.
+- *a note*: a small JSON record a rank leaves in the group's store (the TCPStore or
+  FileStore torch rendezvoused with), under ``floatguard/<token>/note/<rank>``, one per
+  rank: ``failed`` (it raised out of its guard), ``stop`` (it stopped with an error,
+  which the others take up), ``finished`` (guard.finish() or guard.close() after n
+  steps), ``exited`` (a ``with`` block left by an error). Nothing is written or read on
+  a healthy step.
+- *a status*: ``.../status/<rank>``, where a rank was when a collective failed it.
+- *the explanation*: a guard collective failed (its timeout, a closed connection), or
+  a forward or backward raised a collective's error: the rank leaves its status, reads
+  the notes, and if none explains it passes ``monitored_barrier(wait_all_ranks=True)``
+  (at most :data:`BARRIER_S`): rank 0's names the ranks that did not arrive, and every
+  rank names those that left no status. It stops with the most specific error: a
+  peer's failure, its stop, its exit or finish, ranks on another step, the silent ranks.
 
-Reading order: :meth:`Peers.finish`, :meth:`Peers._handle`, :meth:`Peers._watch`.
+A wait in a collective the guard does not own (DDP's buffer broadcast, FSDP's
+all-gathers, the model's own) ends at the process group's own timeout
+(``init_process_group(timeout=...)``), and is explained the same way.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-import threading
+import json
+import re
 import time
-from collections.abc import Callable
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from floatguard.distributed import GuardDesync, PeerFailed
-from floatguard.guard.peer_mail import Mailbox
-from floatguard.guard.peer_state import PREFIX, describe, ranks_text
-from floatguard.guard.peer_waits import PeerWaits
+from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
 
-__all__ = ["EXIT_DRAIN_S", "Peers"]
+__all__ = ["BARRIER_S", "PREFIX", "Peers", "collective_error", "ranks_text"]
 
-EXIT_DRAIN_S = 10.0  # how long a process waits at exit for its peers' byes (see _at_exit)
+BARRIER_S = 5.0  # the longest the monitored barrier after a failure waits
+_SETTLE_S = 1.0  # guard.finish() waits this long for the peers' finishes before release
+_RECORD_BYTES = 2048  # one rank's record in a bad-step all-gather
+_NOTE_CHARS = 700  # a message kept in a note
+PREFIX = re.compile(r"^rank \d+ stops(?: at guard step -?\d+)?: ")  # a message's "who stops"
+_REGION = "a collective of the forward or backward"  # one the guard does not own
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
-class Peers(PeerWaits):
+def ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def collective_error(e: BaseException) -> bool:
+    """Whether an error out of a forward or backward is a collective's (a lost or silent peer)."""
+    return isinstance(e, RuntimeError) and (_timed_out(e) or any(
+        s in str(e).lower() for s in ("connection closed", "connection reset", "broken pipe",
+                                      "pair closure", "gloo", "nccl")
+    ))  # fmt: skip
+
+
+def _timed_out(e: BaseException) -> bool:
+    """gloo's "Timed out waiting 2000ms for recv", "Application timeout caused pair closure"."""
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def backend_words(error: BaseException) -> str:
+    """gloo's "[.../pair.cc:553] Connection closed by peer [addr]. This is ...": the words."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]
+
+
+def _finished_text(me: int, doing: str, step: int, peer: int, steps: int, how: str) -> str:
+    return (
+        f"rank {me} {doing} guard step {step}, but rank {peer} finished after {steps} guard "
+        f"steps ({how}): the ranks took different numbers of guard steps (a rank skipped or "
+        "added a guard.step() call, or had more batches than another: give every rank the "
+        "same number of batches, e.g. DistributedSampler(drop_last=True))"
+    )
+
+
+_Why = tuple[type[DistributedStop], str, tuple[int, ...]]  # a failure's class, words, ranks
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What this rank stops with (raised anew each time)."""
+
+    cls: type[DistributedStop]
+    message: str
+    ranks: tuple[int, ...] = ()
+    step: int | None = None
+
+    def error(self) -> DistributedStop:
+        return self.cls(self.message, ranks=self.ranks, step=self.step)
+
+
+def _new_group(
+    ranks: list[int], limit: timedelta | None, backend: str, *, world: bool, need: bool = True
+) -> Any:
+    """A process group of ``ranks`` (``world``: every rank of the job is in it, and every
+    rank builds its guard together, so torch names it by its counter; else only its
+    ranks take part, and torch names it by its ranks: one such group at a time).
+    ``need``: a failure raises; else it is warned about and None returned."""
+    import torch.distributed as dist
+
+    try:
+        return dist.new_group(
+            ranks, timeout=limit, backend=backend, use_local_synchronization=not world
+        )
+    except (RuntimeError, ValueError) as e:  # a torch built without gloo; a name taken
+        if need:
+            raise
+        warnings.warn(
+            f"floatguard: no {backend} side group ({e}): a failure's silent ranks are named "
+            "by the store alone, without torch.distributed.monitored_barrier",
+            stacklevel=5,
+        )
+        return None
+
+
+class Peers:
     """The other ranks of ``group``, as the guard sees them (see the module).
 
-    ``timeout_s``: how long a tracked collective waits in silence before
-    :class:`PeerFailed` (None: forever). ``grace_s``: after this rank's failure, how long
-    it may stay blocked in a collective the guard does not own (inside :meth:`region`)
-    before the watchdog ends the process, saying why (None: never).
-    ``on_stop(step, reason, message)``: writes the ``stop`` event (once).
-    """
+    ``timeout_s``: how long a guard collective waits for a silent peer before
+    :class:`PeerFailed` (None: the process group's default timeout). ``on_stop(step,
+    reason, message)``: writes the ``stop`` event (once)."""
 
     def __init__(
-        self, group: Any = None, *, timeout_s: float | None, grace_s: float | None,
-        device: torch.device | None = None,
-        on_stop: Callable[[int, str, str], None] | None = None,
+        self, group: Any = None, *, timeout_s: float | None,
+        device: torch.device | None = None, on_stop: Any = None,
     ) -> None:  # fmt: skip
-        super().__init__(group, timeout_s, grace_s, device, on_stop)
-        self._left: list[Any] = []  # works of guard collectives this rank stopped waiting for
-        self.mail = Mailbox(self.global_ranks, self.rank, self._handle, self._status)
-        self.mail.start()
-        self._watchdog = threading.Thread(target=self._watch, name="floatguard-watch", daemon=True)
-        self._watchdog.start()
-        atexit.register(self._at_exit)
+        import torch.distributed as dist
+
+        self.group, self.device = group, device or torch.device("cpu")
+        self.rank, self.world = int(dist.get_rank(group)), int(dist.get_world_size(group))
+        ranks = list(range(self.world))
+        if group is not None:
+            ranks = [int(dist.get_global_rank(group, r)) for r in ranks]
+        self.global_ranks = ranks
+        self.timeout_s, self.on_stop = timeout_s, on_stop
+        self.failure: _Failure | None = None
+        self.step, self._read_done = -1, True
+        self.finishing: int | None = None
+        self.launched: str | None = None  # the guard's last collective in the region (DDP's)
+        self.closed = self._noted = self._stop_written = self._barrier_used = False
+        limit = None if timeout_s is None else timedelta(seconds=timeout_s)
+        backend = str(dist.get_backend(group))
+        world = self.world == dist.get_world_size()
+        self.timed: Any = _new_group(ranks, limit, backend, world=world)
+        self.side: Any = self.timed
+        if backend != "gloo":  # a gloo group for the host records (one, off the world)
+            self.side = _new_group(ranks, limit, "gloo", world=world, need=False) if world else None
+        self.barrier: Any = (
+            _new_group(ranks, None, "gloo", world=True, need=False) if world else None
+        )
+        self.store: Any = self._find_store()
+        token = self.all_gather_json({"token": uuid.uuid4().hex}, "the guard's start")[0]
+        self._key = f"floatguard/{token.get('token')}"
+
+    def _find_store(self) -> Any:
+        """The store torch rendezvoused with (the group's, else the default group's)."""
+        import torch.distributed as dist
+
+        for get in (
+            lambda: self.timed.get_group_store(),
+            lambda: dist.distributed_c10d._get_default_store(),
+        ):
+            try:
+                return get()
+            except (AttributeError, RuntimeError, ValueError):
+                continue
+        return None
+
+    # ------------------------------------------------------------ the step
+    def begin(self, step: int) -> None:
+        """This rank begins guard step ``step`` (its failure, if any, raises now)."""
+        self.raise_if_failed()
+        self.step, self._read_done = step, False
+
+    def read_done(self) -> None:
+        """The step's read is done: collectives outside a guard step now belong to the next."""
+        self._read_done = True
+
+    def next_step(self) -> int:
+        """The guard step a collective run now belongs to (for an unarmed DDP backward)."""
+        return self.step + 1 if self._read_done else self.step
+
+    @property
+    def steps(self) -> int:
+        """How many guard steps this rank has taken (as far as its collectives know)."""
+        return max(self.step + 1 if self._read_done else self.step, 0)
+
+    # ---------------------------------------------------------- collectives
+    def all_reduce_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """SUM-all-reduce ``t`` in place on the timed group."""
+        import torch.distributed as dist
+
+        with self._collective(what):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.timed)
+        return t
+
+    def all_gather_json(
+        self, record: dict[str, Any], what: str, size: int = _RECORD_BYTES
+    ) -> list[dict[str, Any]]:
+        """Every rank's ``record`` (a small JSON object, at most ``size`` bytes), in rank order."""
+        import torch.distributed as dist
+
+        data = json.dumps(record, default=str).encode()[:size]
+        buf = torch.zeros(size, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        group = self.side
+        if group is None:  # no gloo group: the timed group, on its device
+            group, buf = self.timed, buf.to(self.device)
+        out = [torch.zeros_like(buf) for _ in range(self.world)]
+        with self._collective(what):
+            dist.all_gather(out, buf, group=group)
+        records = []
+        for t in out:
+            raw = bytes(t.tolist()).rstrip(b"\0")
+            try:
+                records.append(json.loads(raw.decode(errors="replace")))
+            except json.JSONDecodeError:  # truncated at size
+                records.append({"error": "record truncated"})
+        return records
+
+    def count(self, flag: bool, what: str) -> int:
+        """How many ranks pass ``flag`` True: one all-reduce of one number (on the side
+        group where there is one); for an agreement that is usually "none"."""
+        import torch.distributed as dist
+
+        group, t = self.side, torch.tensor([float(flag)], dtype=torch.float64)
+        if group is None:
+            group, t = self.timed, t.to(self.device)
+        with self._collective(what):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return int(t.item())
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """A guard collective: this rank's failure raises before it; the backend's error
+        (the timeout, a closed connection) is explained."""
+        self.raise_if_failed()
+        if self.timed is None:
+            raise RuntimeError(f"floatguard: {what} after guard.finish() or guard.close()")
+        try:
+            yield
+        except DistributedStop:
+            raise
+        except RuntimeError as e:
+            raise self.explain(e, what, self.step) from e
+
+    @contextmanager
+    def region(self) -> Iterator[None]:
+        """Code that may block in collectives the guard does not own (the closure's
+        forward and backward, where DDP's backward runs the guard's comm hook): a
+        collective's error out of it is explained."""
+        self.raise_if_failed()
+        self.launched = None
+        try:
+            yield
+        except DistributedStop:
+            raise
+        except Exception as e:
+            if not collective_error(e):
+                raise
+            what = self.launched or _REGION
+            raise self.explain(e, what, self.next_step()) from e
+        finally:
+            self.launched = None
+
+    # -------------------------------------------------------------- the store
+    def _put(self, kind: str, record: dict[str, Any]) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"{self._key}/{kind}/{self.rank}", json.dumps(record, default=str))
+        except Exception:  # the store's host is gone: the others learn it from the barrier
+            pass
+
+    def _get(self, kind: str, rank: int) -> dict[str, Any] | None:
+        if self.store is None:
+            return None
+        key = f"{self._key}/{kind}/{rank}"
+        try:
+            if not self.store.check([key]):
+                return None
+            rec = json.loads(self.store.get(key))
+        except Exception:  # unreachable, or not ours
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def _note(self, kind: str, **fields: Any) -> None:
+        """Leave this rank's one note (the first wins)."""
+        if not self._noted:
+            self._noted = True
+            self._put("note", {"kind": kind, **fields})
+
+    # -------------------------------------------------------------- failures
+    def _fail(
+        self, cls: type[DistributedStop], message: str, ranks: tuple[int, ...] = (),
+        step: int | None = None, tell: bool = True,
+    ) -> DistributedStop:  # fmt: skip
+        """This rank stops with ``cls(message)`` (the first failure wins); ``tell``: the
+        others take it up from this rank's ``stop`` note."""
+        if self.failure is None:
+            self.failure = _Failure(cls, message, tuple(ranks), step)
+            if tell:
+                self._note("stop", step=step, type=cls.__name__, ranks=list(ranks),
+                           message=message[:_NOTE_CHARS])  # fmt: skip
+        return self.failure.error()
+
+    def fail(self, error: DistributedStop, tell: bool) -> DistributedStop:
+        """Stop with ``error`` found by the caller (the channel's checks); returns it."""
+        return self._fail(type(error), str(error), error.ranks, error.step, tell)
+
+    def raise_if_failed(self) -> None:
+        """Raise this rank's failure, if it has one (a fresh exception each time)."""
+        if self.failure is not None:
+            raise self.failure.error()
 
     def announce_failure(self, step: int, error: BaseException) -> None:
-        """Tell every other rank that this one raised ``error`` out of the guard."""
-        if self._closed or self.failure is not None or self.state.done:
-            return  # a rank that stops because of a peer does not echo the failure
-        self.state.done = "told"
-        self.mail.send_all({"kind": "failed", "rank": self.rank, "step": step,
-                            "error": f"{type(error).__name__}: {error}"[:700]})  # fmt: skip
-        self.mail.flush(5.0)
+        """This rank raised ``error`` out of its guard: its ``failed`` note."""
+        if not self.closed and self.failure is None:
+            self._note("failed", step=step, error=f"{type(error).__name__}: {error}"[:_NOTE_CHARS])
 
-    # ---------------------------------------------------------------- finish
+    def stopped(self, step: int, error: BaseException) -> None:
+        """The guard stops with ``error`` at ``step``: this rank's failure (if the error
+        did not come through :meth:`fail`), the ``stop`` event once."""
+        if self.failure is None and isinstance(error, DistributedStop):
+            at = error.step if error.step is not None else step
+            self._fail(type(error), str(error), error.ranks, at)
+        if not self._stop_written and self.on_stop is not None:
+            self._stop_written = True
+            reason = "desync" if isinstance(error, GuardDesync) else "peer_failed"
+            self.on_stop(step, reason, str(error))
+
+    def explain(self, error: BaseException, what: str, step: int) -> DistributedStop:
+        """A collective failed this rank in ``what`` of guard step ``step``: why (see the
+        module), as this rank's failure."""
+        if self.failure is not None:
+            return self.failure.error()
+        self._put("status", {"step": step, "what": what})
+        found = self._from_notes(step, what)
+        if found is None:
+            start = time.monotonic()
+            named = self._barrier()
+            found = self._from_notes(step, what) or self._silence(
+                named, start + self._barrier_s() + 0.5, step, what, error
+            )
+        cls, text, ranks = found
+        return self._fail(cls, text, ranks, step)
+
+    def _barrier_s(self) -> float:
+        return BARRIER_S if self.timeout_s is None else min(BARRIER_S, self.timeout_s)
+
+    def _barrier(self) -> list[int]:
+        """torch's ``monitored_barrier`` (once): the ranks rank 0's names as missing."""
+        import torch.distributed as dist
+
+        if self.barrier is None or self._barrier_used:
+            return []
+        self._barrier_used = True
+        try:
+            dist.monitored_barrier(
+                group=self.barrier, timeout=timedelta(seconds=self._barrier_s()),
+                wait_all_ranks=True,
+            )  # fmt: skip
+        except RuntimeError as e:
+            m = _MISSING.search(str(e))
+            if m:
+                return [int(r) for r in m.group(1).replace(" ", "").split(",") if r]
+        return []
+
+    def _from_notes(self, step: int, what: str) -> _Why | None:
+        """The first peer note that explains a failed collective of guard step ``step``."""
+        notes = {r: self._get("note", r) for r in range(self.world) if r != self.rank}
+        me = self.rank
+        for kind in ("failed", "stop", "exited", "finished"):
+            for p, rec in notes.items():
+                if rec is None or rec.get("kind") != kind:
+                    continue
+                at = rec.get("step", rec.get("steps", -1))
+                if kind == "failed":
+                    text = (f"rank {me} stops: rank {p} failed at guard step {at} "
+                            f"({rec.get('error')}); the ranks cannot go on without it")  # fmt: skip
+                    return PeerFailed, text, (p,)
+                if kind == "stop":
+                    cls: type[DistributedStop] = (
+                        GuardDesync if rec.get("type") == "GuardDesync" else PeerFailed
+                    )
+                    said = PREFIX.sub("", str(rec.get("message")))
+                    text = f"rank {me} stops: rank {p} stopped at guard step {at}: {said}"
+                    return cls, text, tuple(int(r) for r in rec.get("ranks") or ())
+                if int(at) > step:
+                    continue  # it took part in this step: not why
+                if kind == "exited":
+                    why = f" ({rec['error']})" if rec.get("error") else ""
+                    text = (
+                        f"rank {me} waits in {what} of guard step {step}, but rank "
+                        f"{p} exited after {at} guard steps without guard.finish(){why}"
+                    )
+                    return PeerFailed, text, (p,)
+                how, doing = str(rec.get("how")), f"waits in {what} of"
+                return GuardDesync, _finished_text(me, doing, step, p, at, how), (p,)
+        return None
+
+    def _silence(
+        self, named: list[int], until: float, step: int, what: str, error: BaseException
+    ) -> _Why:
+        """No note explains it: the ranks that left no status by ``until`` (and those the
+        barrier named), or the ranks on another step."""
+        late = [r for r in range(self.world) if r != self.rank]
+        statuses: dict[int, dict[str, Any]] = {}
+        while True:
+            for r in late:
+                st = self._get("status", r)
+                if st is not None:
+                    statuses[r] = st
+            late = [r for r in late if r not in statuses]
+            if not late or time.monotonic() >= until:
+                break
+            time.sleep(0.05)
+        silent = sorted(set(late) | set(named))
+        me, how = self.rank, backend_words(error)
+        where = f"of guard step {step}" if step >= 0 else "(before the first guard step)"
+        if silent:
+            if _timed_out(error):
+                verb = "does" if len(silent) == 1 else "do"
+                own = self.timeout_s is not None and what != _REGION
+                limit = f" within {self.timeout_s:g} s" if own else ""
+                hint = (
+                    "guard.resume() runs on every rank together: call it on every rank or on none"
+                    if "resume()" in what
+                    else "A rank out of data must call guard.finish()"
+                )
+                text = (
+                    f"rank {me} stops: no answer{limit} in {what} {where}: "
+                    f"{ranks_text(silent)} {verb} not answer (stopped, hung, or stuck outside "
+                    "the guard: a data loader, work of its own; torch.distributed."
+                    f"monitored_barrier found it missing). {hint}; Guard(peer_timeout_s=...) "
+                    "sets this limit"
+                )
+            else:
+                verb = "is" if len(silent) == 1 else "are"
+                text = (
+                    f"rank {me} stops {where.replace('of ', 'at ')}: {ranks_text(silent)} {verb} "
+                    "gone "
+                    f"(exited or killed): its connection closed in {what} ({how}), and it "
+                    "left no note and did not pass torch.distributed.monitored_barrier"
+                )
+            return PeerFailed, text, tuple(silent)
+        other = [(r, st) for r, st in sorted(statuses.items()) if st.get("step") != step]
+        if other:
+            r, st = other[0]
+            text = (
+                f"rank {me} stops: rank {me} waits in {what} of guard step {step}, but rank {r} "
+                f"in {st.get('what')} of guard step {st.get('step')}: the ranks are not in "
+                "step (a rank skipped or added a guard.step() call, or ran a collective of "
+                "its own)"
+            )
+            return GuardDesync, text, (r,)
+        return PeerFailed, f"rank {me} stops at guard step {step}: {what} failed ({how})", ()
+
+    # ---------------------------------------------------------------- the end
     def finish(self, steps: int) -> None:
-        """End the run together after ``steps`` guard steps: tell every peer, wait until
-        every one has finished (or exited) after as many. A peer still stepping, or one
-        that finished after another number, is a GuardDesync; one that does not answer,
-        or stays silent past ``timeout_s``, a PeerFailed."""
+        """End the run together after ``steps`` guard steps: this rank's ``finished``
+        note, then every peer's (through the store: no collective, so a peer still
+        stepping meets no collective of another shape). A peer that finished after
+        another number, or waits in a collective of a later step, is a GuardDesync; one
+        that failed, or is silent past ``timeout_s``, a PeerFailed."""
         self.raise_if_failed()
-        with self._lock:
-            self.state.finishing = steps
-        if not self.mail.available:  # no peer channel: the steps, all-gathered
+        self.finishing = steps
+        if self.store is None:  # no store: the steps, all-gathered
             records = self.all_gather_json({"steps": steps}, "guard.finish()")
             done = {r: int(rec.get("steps", -1)) for r, rec in enumerate(records)}
             done.pop(self.rank)
         else:
-            done = self._await_finishes(steps)
+            self._note("finished", steps=steps, how="guard.finish()")
+            try:
+                done = self._await_finishes(steps)
+            finally:
+                self._release()
         differ = sorted((p, m) for p, m in done.items() if m != steps)
         if differ:
             p, m = differ[0]
-            self._fail(GuardDesync, f"rank {self.rank} finished after {steps} guard steps, "
-                       f"but rank {p} after {m}: the ranks took different numbers of guard "
-                       "steps (a rank skipped or added a guard.step() call, or had more batches "
-                       "than another)", (p,), steps, tell=False)  # fmt: skip
-            self.raise_if_failed()
-        self.state.done = "finished"
-        self.mail.bye()  # every peer has finished: the channel is done with
+            raise self._fail(GuardDesync, f"rank {self.rank} finished after {steps} guard steps, "
+                             f"but rank {p} after {m}: the ranks took different numbers of guard "
+                             "steps (a rank skipped or added a guard.step() call, or had more "
+                             "batches than another)", (p,), steps, tell=False)  # fmt: skip
 
     def _await_finishes(self, steps: int) -> dict[int, int]:
-        """Every peer's finish (or exit) message: its step count, by rank."""
-        msg = {"kind": "finished", "rank": self.rank, "step": steps, "how": "guard.finish()"}
-        self.mail.send_all(msg)
-        start = last_ask = time.monotonic()
-        others = [r for r in range(self.world) if r != self.rank]
+        """Every peer's finish (or exit) note: its step count, by rank."""
+        me, start, delay = self.rank, time.monotonic(), 0.002
+        late, done = [r for r in range(self.world) if r != me], {}
+        grace = None if self.timeout_s is None else self.timeout_s + self._barrier_s()
+        while late:
+            if time.monotonic() - start > _SETTLE_S:
+                self._release()  # a peer still stepping: its collective ends now
+            for r in list(late):
+                rec = self._get("note", r)
+                if rec is not None and rec.get("kind") in ("finished", "exited"):
+                    done[r] = int(rec.get("steps", -1))
+                    late.remove(r)
+                    continue
+                if rec is not None:  # a peer's failure or stop: take it up
+                    found = self._from_notes(steps, "guard.finish()")
+                    if found is not None:
+                        raise self._fail(*found, steps, tell=False)
+                st = self._get("status", r)
+                if st is not None:  # its collective failed: its own stop, if it says one
+                    said = self._wait_note(r, time.monotonic() + 2.0)
+                    if said is not None and said.get("kind") == "stop":
+                        found = self._from_notes(steps, "guard.finish()")
+                        if found is not None:
+                            raise self._fail(*found, steps, tell=False)
+                    text = (f"rank {me} finished after {steps} guard steps, but rank {r} "
+                            f"waits in {st.get('what')} of guard step {st.get('step')}: "
+                            "the ranks took different numbers of guard steps (a rank out "
+                            "of data must call guard.finish())")  # fmt: skip
+                    raise self._fail(GuardDesync, text, (r,), steps, tell=False)
+            waited = time.monotonic() - start
+            if late and grace is not None and waited > grace:
+                raise self._fail(PeerFailed, f"rank {me} waited {waited:.0f} s in guard.finish() "
+                                 f"after {steps} guard steps for {ranks_text(late)}: no finish "
+                                 "and no answer (stopped, killed, or still stepping outside "
+                                 "the guard's collectives). Guard(peer_timeout_s=...) sets "
+                                 "this limit", tuple(late), steps, tell=False)  # fmt: skip
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        return done
+
+    def _wait_note(self, rank: int, until: float) -> dict[str, Any] | None:
         while True:
-            self.raise_if_failed()
-            with self._lock:
-                done = {p: m for p, (m, _how) in self.state.finished.items()}
-                done.update({p: int(rec.get("steps", -1)) for p, rec in self.state.exited.items()})
-            if all(r in done for r in others):
-                return done
-            now, late = time.monotonic(), [r for r in others if r not in done]
-            if self.timeout_s is not None and now - start > self.timeout_s:
-                status = self.mail.ask()
-                said = "; ".join(describe(r, status.get(r)) for r in late)
-                self._fail(PeerFailed, f"rank {self.rank} waited {self.timeout_s:g} s in "
-                           f"guard.finish() after {steps} guard steps for {ranks_text(late)}: "
-                           f"{said}", tuple(late), steps)  # fmt: skip
-            elif now - last_ask > 1.0:  # a silent peer may be gone: ask
-                status = self.mail.ask()
-                gone = [r for r in late if status.get(r) is None]
-                if gone:
-                    self._fail(PeerFailed, f"rank {self.rank} stops in guard.finish() after "
-                               f"{steps} guard steps: {ranks_text(gone)} does not answer "
-                               "(exited or killed)", tuple(gone), steps)  # fmt: skip
-                last_ask = time.monotonic()
-            time.sleep(0.005)
+            rec = self._get("note", rank)
+            if rec is not None or time.monotonic() >= until:
+                return rec
+            time.sleep(0.02)
 
-    # ------------------------------------------------------------- messages
-    def _status(self) -> dict[str, Any]:
-        s = self.state
-        with self._lock:
-            waits = [[w.what, w.step] for w in s.waits][:2]
-        since = round(time.monotonic() - s.began_at, 1)
-        return {"rank": self.rank, "step": s.step, "since": since, "waits": waits,
-                "finishing": s.finishing}  # fmt: skip
+    def _release(self, everything: bool = False) -> None:
+        """Destroy the guard's timed group (after :meth:`finish`: nothing of the guard
+        runs on it any more), so that a peer still waiting in a collective on it (a
+        rank that took more guard steps) hears a closed connection now, not at its
+        timeout; ``everything``: its other groups too (:meth:`close`). A process group
+        closes its connections when the last reference to it goes."""
+        import torch.distributed as dist
 
-    def _handle(self, rec: dict[str, Any]) -> None:
-        """A peer's message (the listener's thread)."""
-        kind, peer, step = rec.get("kind"), rec.get("rank"), rec.get("step", -1)
-        if kind in ("finished", "exited") and isinstance(peer, int):
-            with self._lock:
-                if kind == "finished":
-                    self.state.finished[peer] = (int(step), str(rec.get("how")))
-                else:
-                    self.state.exited[peer] = rec
-                waits = list(self.state.waits)
-            if self.state.finishing is None:
-                steps = int(step) if kind == "finished" else int(rec.get("steps", -1))
-                late = [w for w in waits if w.step >= steps]
-                if late:
-                    self._check_partners(late[0].step, f"waits in {late[0].what} of")
-        elif kind == "stop":
-            cls = GuardDesync if rec.get("type") == "GuardDesync" else PeerFailed
-            said = PREFIX.sub("", str(rec.get("message")))
-            text = f"rank {self.rank} stops: rank {peer} stopped at guard step {step}: {said}"
-            self._fail(cls, text, tuple(rec.get("ranks") or ()), step, tell=False)
-        else:  # "failed": a peer raised out of its guard
-            self._fail(PeerFailed, f"rank {self.rank} stops: rank {peer} failed at guard step "
-                       f"{step} ({rec.get('error')}); the ranks cannot go on without it",
-                       (peer,) if isinstance(peer, int) else (), step, tell=False)  # fmt: skip
-
-    # ------------------------------------------------------------- watchdog
-    def _watch(self) -> None:
-        """End tracked waits past the timeout, explain those whose connection dropped."""
-        tick = 0.1 if self.timeout_s is None else min(0.1, self.timeout_s / 10)
-        while not self._closed:
-            self._wake.wait(tick)
-            self._wake.clear()
-            with self._lock:
-                waits = list(self.state.waits)
-            now = time.monotonic()
-            for w in waits:
-                if self.failure is not None:
-                    self._interrupt()
-                    break
-                if w.error is not None:
-                    self._lost(w, w.error)
-                elif self.timeout_s is not None and now - w.start > self.timeout_s:
-                    self._timed_out(w)
-            self.check_region(now)
-
-    def _wait(self, launch: Callable[[], Any], what: str) -> None:
-        """:meth:`PeerWaits._wait`, keeping the work a failure left pending (see _at_exit)."""
-        works: list[Any] = []
-
-        def launched() -> Any:
-            works.append(launch())
-            return works[-1]
-
-        try:
-            super()._wait(launched, what)
-        finally:
-            if works and works[0] is not None and not works[0].is_completed():
-                self._left.append(works[0])
-
-    # ------------------------------------------------------------- the end
-    def _pending(self) -> bool:
-        """A collective of this rank is still pending (a failure left it: its peer will
-        never join)."""
-        with self._lock:
-            works = [w.work for w in self.state.waits if w.work is not None] + self._left
-        try:
-            return any(not work.is_completed() for work in works)
-        except RuntimeError:  # the backend is gone
-            return False
-
-    def _end_at_exit(self) -> None:
-        """The process ends after this rank's failure with a collective still pending:
-        the interpreter's teardown would wait for it forever (gloo's process group joins
-        the thread that runs it), so write the stop event, flush, and end the process
-        (exit code 1)."""
-        assert self.failure is not None
-        try:
-            self.stopped(self.state.step, self.failure.error())
-        except Exception:  # the stop event is written already, or the log is closed
-            pass
-        for stream in (sys.stdout, sys.stderr):
+        groups = [self.timed, self.side] + ([self.barrier] if everything else [])
+        self.timed = self.side = None
+        if everything:
+            self.barrier = None
+        for i, g in enumerate(groups):
+            if g is None or any(g is h for h in groups[:i]):
+                continue
             try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError, AssertionError):  # already gone
                 pass
-        try:
-            sys.stderr.write(
-                f"floatguard: rank {self.rank} ends: {PREFIX.sub('', self.failure.message)}; "
-                "a collective this rank began will never complete (its peer is gone), and the "
-                "interpreter's teardown would wait for it forever\n"
-            )
-            sys.stderr.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-        try:
-            self.mail.bye()  # the peers need not wait for this rank at their exit
-        except Exception:  # the group is already gone
-            pass
-        os._exit(1)
-
-    def _at_exit(self) -> None:
-        """The process ends: a rank that failed with a collective left pending ends at
-        once (_end_at_exit); one that neither finished nor failed tells the others; then
-        its part of the channel ended (:meth:`Mailbox.part`: the waits of close and exit
-        together at most :data:`EXIT_DRAIN_S`) before the interpreter finalizes."""
-        s = self.state
-        if self.failure is not None and self._pending():
-            self._end_at_exit()
-        if not self.mail.available:
-            return
-        try:
-            if self.failure is None and s.done is None and not self._closed:
-                last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-                self._exited(None if last is None else f"{type(last).__name__}: {last}")
-            self.mail.part(EXIT_DRAIN_S, "at exit")
-        except Exception:  # the group is already gone
-            pass
-
-    def _exited(self, error: str | None) -> None:
-        self.mail.send_all({"kind": "exited", "rank": self.rank, "steps": self.state.steps,
-                            "error": None if error is None else error[:700]})  # fmt: skip
-        self.state.done = "exited"
+        groups.clear()
 
     def close(self, error: BaseException | None = None) -> None:
-        """Stop the watchdog and end this rank's part of the channel: the peers that have
-        not said bye asked where they are (one that does not answer is gone), bye, and a
-        wait (at most :data:`EXIT_DRAIN_S`, said on stderr past 1 s) for the other
-        peers' byes, so that no receive of the channel is pending when the caller goes on
-        to ``dist.destroy_process_group()`` and the interpreter's exit: the listener's
-        thread woken inside gloo's wait by a bye landing there aborted the process
-        (SIGABRT, about one run in thirty on a loaded machine, after a barrier and the
-        destroy). A guard closed without :meth:`finish` tells the peers it is done,
-        after how many steps; with ``error`` (raised outside the guard), that it exited
-        with it. A failed rank, or one closed with ``error``, does not wait for byes (its
-        peers may be gone or stopping; the at-exit handler waits what is left of the time)."""
-        s = self.state
-        if s.done is None and self.failure is None and self.mail.available:
+        """This rank's guard ends: a guard closed without :meth:`finish` leaves its note
+        (``finished`` after its steps; with ``error``, raised outside the guard,
+        ``exited`` with it). Nothing is waited for: no thread, no pending receive."""
+        if not self.closed and self.failure is None and self.finishing is None:
             if error is None:
-                self.mail.send_all({"kind": "finished", "rank": self.rank, "step": s.steps,
-                                    "how": "guard.close()"})  # fmt: skip
-                s.done = "closed"
+                self._note("finished", steps=self.steps, how="guard.close()")
             else:
-                self._exited(f"{type(error).__name__}: {error}")
-        self._closed = True
-        self._wake.set()
-        if self.failure is None:  # every bye, before the group's teardown (but after error)
-            self.mail.part(EXIT_DRAIN_S if error is None else 0.0, "in guard.close()")
-        else:
-            self.mail.bye()
-        self._watchdog.join(1.0)  # it ends within its tick, once closed
-        # no thread of this guard left for the caller's teardown (but a failure's work)
-        self.end_waiter(1.0 if self.failure is None and error is None else 0.0)
-        if self.failure is None and not self.mail.listening:  # nothing left for the exit
-            atexit.unregister(self._at_exit)  # (nor a reference keeping this guard's parts)
+                self._note("exited", steps=self.steps,
+                           error=f"{type(error).__name__}: {error}"[:_NOTE_CHARS])  # fmt: skip
+        self.closed = True
+        self._release(everything=True)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from floatguard.guard.peer_state import ranks_text
+from floatguard.guard.peers import ranks_text
 from floatguard.stability.snapshot import Snapshot, SnapshotError, step_of
 
 if TYPE_CHECKING:
