@@ -63,7 +63,11 @@ def _entry(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 120.0,
+    fn: Callable[..., Any],
+    world: int,
+    tmp: Path,
+    *args: Any,
+    timeout: float = 120.0,
     pg_timeout_s: float | None = None,
 ) -> dict[int, Any]:
     """``fn(rank, world, out_dir, *args)`` on ``world`` processes; its return values by
