@@ -9,14 +9,12 @@ Words used here:
   exact step check: every rank's 64-bit step and configuration fingerprint, compared
   exactly on the same collective (:mod:`floatguard.guard.step_check`). Ranks on another
   step, or configured differently, stop with :class:`GuardDesync` at that step.
-- *the peers* (:class:`floatguard.guard.peers.Peers`): every collective of the guard is
-  tracked, with its guard step, so that a peer's failure, a peer that finished or
-  exited, a lost connection or ``peer_timeout_s`` of silence ends the wait with
+- *the peers* (:class:`floatguard.guard.peers.Peers`): every collective of the guard
+  runs on a group torch created with ``timeout=peer_timeout_s``; a collective's error
+  (that timeout, a closed connection) is explained from the peers' notes in the store
+  torch rendezvoused with and torch's ``monitored_barrier``, and raised as
   :class:`PeerFailed` or :class:`GuardDesync` naming the rank, the step and what
-  happened (DDP's backward raises it too: the hook's futures are completed with it),
-  and a ``stop`` event is written.
-- *the peer channel* (:mod:`floatguard.guard.peer_mail`): one-record messages on a side
-  gloo group: a failure, a finish (``Guard.finish()``), an exit, where a rank is.
+  happened, after a ``stop`` event. No thread, no at-exit handler, no forced exit.
 - *agreement*: on a bad step only, each rank's localization is all-gathered, so every
   rank names the faulting rank and takes the same response.
 
