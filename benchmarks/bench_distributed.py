@@ -8,8 +8,8 @@ Contenders (each rank: a DDP-wrapped GPT, AdamW, fp16 autocast on CPU, batch per
   step costs on gloo (the floor of a design that adds one)
 - ``Guard.step(closure)`` under DDP: the step's read (loss, bad-rank bit, step counter
   and fingerprint) carried on DDP's own last gradient bucket by the guard's comm hook,
-  the one host read per step, ZClip, spike detection, snapshots every 5 steps, the
-  peer channel's listener
+  the one host read per step, ZClip, spike detection, snapshots every 5 steps (the
+  gradient all-reduce on the guard's group created with ``peer_timeout_s``; no thread)
 
 The bench GPT (4 layers, d=128, T=128, batch 16 per rank) and a tiny GPT (1 layer, d=32,
 T=16, batch 8), where fixed per-step costs show most. Figures are rank 0's (the ranks
@@ -30,6 +30,7 @@ its collectives), the same plus one small all-reduce, and ``Guard.step(closure)`
 read is one all-reduce of its own: no DDP bucket to ride; the norm by placement).
 
     python benchmarks/bench_distributed.py [--steps N] [--rounds R] [--only ddp|tp|2d]
+        [--model "tiny GPT"]   (the DDP rows of one model only)
 """
 
 from __future__ import annotations
@@ -236,12 +237,15 @@ _LABELS = {"tp=2": "MLP stack, tp=2", "2d": "MLP stack, dp=2 x tp=2"}
 
 
 def _worker(
-    rank: int, world: int, init: str, out: str, steps: int, rounds: int, which: str
-) -> None:
+    rank: int, world: int, init: str, out: str, steps: int, rounds: int, which: str,
+    model: str | None = None,
+) -> None:  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     lines = []
     for name, makers in ROWS[which][1]:
+        if model is not None and which == "ddp" and name != model:
+            continue
         contenders = {label: make(name, rank) for label, make in makers.items()}
         times: dict[str, list[float]] = {k: [] for k in contenders}
         for fn in contenders.values():
@@ -270,7 +274,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--only", choices=sorted(ROWS), default=None, help="one set of rows")
+    parser.add_argument("--model", choices=sorted(MODELS), default=None, help="one DDP model")
     args = parser.parse_args()
+
     tmp = tempfile.mkdtemp()
     print(f"# distributed guard benchmark: torch {torch.__version__}, gloo ranks on CPU "
           f"(2, the dp x tp rows 4), 1 thread each, median of {args.rounds} interleaved "
@@ -281,7 +287,7 @@ def main() -> None:
         world = ROWS[which][0]
         out = os.path.join(tmp, f"result-{which}.md")
         init = os.path.join(tmp, f"init-{which}")
-        mp.spawn(_worker, args=(world, init, out, args.steps, args.rounds, which),
+        mp.spawn(_worker, args=(world, init, out, args.steps, args.rounds, which, args.model),
                  nprocs=world, join=True)  # fmt: skip
         with open(out) as fh:
             sys.stdout.write(fh.read())

@@ -168,6 +168,7 @@ class Peers:
             _new_group(ranks, None, "gloo", world=True, need=False) if world else None
         )
         self.store: Any = self._find_store()
+        self._key = "floatguard/start"  # until the run's token is agreed
         token = self.all_gather_json({"token": uuid.uuid4().hex}, "the guard's start")[0]
         self._key = f"floatguard/{token.get('token')}"
 
