@@ -386,6 +386,11 @@ class Guard(GuardPersistence):
             self._channel.announce_failure(self.step_count, e)
             raise
 
+    @property
+    def ended(self) -> bool:
+        """Whether :meth:`finish` or :meth:`close` was called (a step is then refused)."""
+        return self._channel.finished or self._channel.closed
+
     def finish(self) -> None:
         """End the run after the last step: under torch.distributed a join, every rank
         after as many guard steps (else GuardDesync on every rank; a rank gone: PeerFailed)."""
@@ -633,10 +638,11 @@ class Guard(GuardPersistence):
 
     def close(self) -> None:
         """Detach the monitors, let go of the snapshot folder's lock, close the event log
-        (once; a step after it is refused); distributed, wait (at most 10 s) until every
-        rank has closed or finished its guard (docs/guard.md, a clean exit). A ``with``
-        left by an exception from outside :meth:`step` (not GuardStopped) tells the
-        peers this rank exited with it, and waits for no peer's close."""
+        (once; a step after it is refused). Distributed, it waits for nothing: it leaves
+        a note for the peers (finished after its steps; a ``with`` left by an exception
+        from outside :meth:`step`, not GuardStopped: exited with it) and destroys the
+        guard's groups. Closed without :meth:`finish` after guard steps, it warns: that
+        every rank took as many guard steps is then unchecked (docs/guard.md)."""
         self._close(None)
 
     def _close(self, error: BaseException | None) -> None:

@@ -579,6 +579,16 @@ class Peers:
         if not self.closed and self.failure is None and self.finishing is None:
             if error is None:
                 self._note("finished", steps=self.steps, how="guard.close()")
+                if self.steps:
+                    warnings.warn(
+                        f"floatguard: rank {self.rank}'s guard closed after {self.steps} guard "
+                        "steps without guard.finish() under torch.distributed: that every "
+                        "rank took as many guard steps is unchecked (a rank with one more or "
+                        "one fewer batch trained on shifted batches unseen); call "
+                        "guard.finish() on every rank before guard.close()",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
             else:
                 self._note("exited", steps=self.steps,
                            error=f"{type(error).__name__}: {error}"[:_NOTE_CHARS])  # fmt: skip

@@ -102,9 +102,12 @@ class GuardedLoop:
         obj.state_dict = state_dict
         self._wrapped.append((obj, "state_dict", None))
 
-    def unwrap(self) -> None:
+    def unwrap(self, finished: bool = False) -> None:
         """Put every wrapped method back (at the end of training: a second ``train()``
-        wraps afresh, never twice) and close the guard's event log."""
+        wraps afresh, never twice) and close the guard's event log; ``finished``: the
+        training ended normally, so the guard's run ends with :meth:`Guard.finish`
+        first (under torch.distributed: every rank took as many guard steps, or a
+        GuardDesync names the one that did not)."""
         for obj, name, original in reversed(self._wrapped):
             if original is None:
                 delattr(obj, name)  # the class's method shows through again
@@ -112,7 +115,11 @@ class GuardedLoop:
                 setattr(obj, name, original)
         self._wrapped = []
         if self.guard is not None:
-            self.guard.close()
+            try:
+                if finished and self.guard.step_count and not self.guard.ended:
+                    self.guard.finish()
+            finally:
+                self.guard.close()
 
     def decide(self, replay: list[Callable[[], torch.Tensor]] | None) -> StepResult:
         """The guard's step on what was recorded (it applies the optimizer step itself)."""

@@ -209,7 +209,7 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.unwrap()
+        self.unwrap(finished=True)
 
 
 def add_to(trainer: Any, callback: FloatguardCallback | None = None) -> FloatguardCallback:

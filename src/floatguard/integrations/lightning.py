@@ -212,7 +212,7 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.unwrap()
+        self.unwrap(finished=True)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # The module outlives the run: its training_step must not stay wrapped (a later
