@@ -387,3 +387,18 @@ def test_clipping_a_non_finite_sparse_gradient(nonfinite: str) -> None:
         assert float(g.to_dense().abs().sum()) == 0.0
     else:
         assert not bool(torch.isfinite(g.to_dense()).all())
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), float("inf"), True, "10"])
+def test_a_bad_peer_timeout_is_refused_at_construction(bad: object) -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"peer_timeout_s=.*give a number of seconds > 0"):
+        Guard(model, opt, peer_timeout_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_model_on_the_meta_device_is_refused_at_construction() -> None:
+    model = nn.Linear(2, 1, device="meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"'weight' is on the meta device.*to_empty"):
+        Guard(model, opt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, get_args
 
 import torch
@@ -20,8 +21,20 @@ def check_args(
     watch: str,
     scaler: DynamicLossScaler | None,
     stats_every: int | None,
+    peer_timeout_s: float | None = None,
 ) -> None:
     """A clear TypeError / ValueError naming the bad argument and the fix."""
+    if peer_timeout_s is not None and (
+        isinstance(peer_timeout_s, bool)
+        or not isinstance(peer_timeout_s, (int, float))
+        or not math.isfinite(peer_timeout_s)
+        or peer_timeout_s <= 0
+    ):
+        raise ValueError(
+            f"peer_timeout_s={peer_timeout_s!r}: give a number of seconds > 0 (the bound on "
+            "every wait the guard owns under torch.distributed), or None for the process "
+            "group's own timeout"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"Guard needs an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -44,6 +57,13 @@ def check_args(
         isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 2
     ):
         raise ValueError(f"stats_every={stats_every!r} must be an int >= 2 or None")
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"the model's parameter {meta!r} is on the meta device (no data to guard); "
+            "materialize the model first (model.to_empty(device=...) and initialize it, "
+            "or load its weights)"
+        )
     opt_params = [p for g in optimizer.param_groups for p in g["params"]]
     if not opt_params:
         raise ValueError("the optimizer has no parameters; build it from model.parameters()")

@@ -133,7 +133,7 @@ class Guard(GuardPersistence):
         clipped_before: bool = False,
         trend: TrendPolicy | None = None,
     ) -> None:
-        check_args(model, optimizer, precision, watch, scaler, stats_every)
+        check_args(model, optimizer, precision, watch, scaler, stats_every, peer_timeout_s)
         if peer_grace_s is not None:
             warnings.warn(
                 "floatguard: Guard(peer_grace_s=...) has no effect any more: a rank blocked "
