@@ -84,12 +84,14 @@ def _worker(rank: int, world: int, out: str, case: str) -> dict[str, Any]:
 # the guard's step read, until peer_timeout_s)
 CASES = {
     "sigstop-ddp": ["rank 0 stops: no answer in a collective of the forward or backward of "
-                    "guard step 3", "rank 1 does not answer", "monitored_barrier found it "
-                    "missing"],
+                    "guard step 3 (", "rank 1 does not answer", "monitored_barrier found it "
+                    "missing", "init_process_group(timeout=...) bounds this wait"],
     "stuck-loader-ddp": ["rank 0 stops: no answer in a collective of the forward or backward "
-                         "of guard step 3", "rank 1 does not answer", "a data loader"],
+                         "of guard step 3 (", "rank 1 does not answer", "a data loader",
+                         "init_process_group(timeout=...) bounds this wait"],
     "sigstop-allreduce": ["rank 0 stops: no answer within 2 s in the guard's step read of "
-                          "guard step 3", "rank 1 does not answer"],
+                          "guard step 3 (Timed out", "rank 1 does not answer",
+                          "Guard(peer_timeout_s=...) sets this limit"],
 }  # fmt: skip
 
 

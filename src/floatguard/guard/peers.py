@@ -55,6 +55,7 @@ _SETTLE_S = 1.0  # guard.finish() waits this long for the peers' finishes before
 _RECORD_BYTES = 2048  # one rank's record in a bad-step all-gather
 _NOTE_CHARS = 700  # a message kept in a note
 PREFIX = re.compile(r"^rank \d+ stops(?: at guard step -?\d+)?: ")  # a message's "who stops"
+_CALLBACK = re.compile(r"(Got the following error when running the callback: \w+: )+")
 _REGION = "a collective of the forward or backward"  # one the guard does not own
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
@@ -79,7 +80,8 @@ def _timed_out(e: BaseException) -> bool:
 
 def backend_words(error: BaseException) -> str:
     """gloo's "[.../pair.cc:553] Connection closed by peer [addr]. This is ...": the words."""
-    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = _CALLBACK.sub("", str(error))  # DDP's future wraps it, once per .then()
+    first = text.splitlines()[0] if text else type(error).__name__
     return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]
 
 
@@ -448,12 +450,17 @@ class Peers:
                     if "resume()" in what
                     else "A rank out of data must call guard.finish()"
                 )
+                bound = (
+                    "Guard(peer_timeout_s=...) sets this limit"
+                    if own
+                    else "init_process_group(timeout=...) bounds this wait (a collective the "
+                    "guard does not own)"
+                )
                 text = (
-                    f"rank {me} stops: no answer{limit} in {what} {where}: "
+                    f"rank {me} stops: no answer{limit} in {what} {where} ({how}): "
                     f"{ranks_text(silent)} {verb} not answer (stopped, hung, or stuck outside "
                     "the guard: a data loader, work of its own; torch.distributed."
-                    f"monitored_barrier found it missing). {hint}; Guard(peer_timeout_s=...) "
-                    "sets this limit"
+                    f"monitored_barrier found it missing). {hint}; {bound}"
                 )
             else:
                 verb = "is" if len(silent) == 1 else "are"
