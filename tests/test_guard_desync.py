@@ -185,8 +185,8 @@ CASES: list[tuple[str, bool, Want]] = [
             ddp,
             {
                 0: ("PeerFailed", 4, (1,), [f"rank 0 stops: no answer within {IDLE_TIMEOUT_S:g} "
-                    f"s in {what} of guard step 4 (Timed out waiting 2000ms", "rank 1 does not answer",
-                    "monitored_barrier "
+                    f"s in {what} of guard step 4 (Timed out waiting 2000ms",
+                    "rank 1 does not answer", "monitored_barrier "
                     "found it missing", "A rank out of data must call guard.finish()"]),
                 1: ("PeerFailed", 4, (1,), ["rank 1 stops: rank 0 stopped at guard step 4"]),
             },
