@@ -57,8 +57,9 @@ def check_args(
         isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 2
     ):
         raise ValueError(f"stats_every={stats_every!r} must be an int >= 2 or None")
-    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
-    if meta is not None:
+    named = list(model.named_parameters())
+    meta = named[0][0] if named and all(p.is_meta for _, p in named) else None
+    if meta is not None:  # the whole model (part of it: the several-devices check)
         raise ValueError(
             f"the model's parameter {meta!r} is on the meta device (no data to guard); "
             "materialize the model first (model.to_empty(device=...) and initialize it, "
