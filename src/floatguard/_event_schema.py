@@ -39,7 +39,7 @@ FIELD_TYPES: dict[str, dict[str, str]] = {
     "spike": {"signal": "str?", "value": "num?", "reproduced": "bool?", "batch": "dict?"},
     "lr_backoff": {"factor": "num?"},
     "rollback": {"to_step": "int?", "rollbacks": "int?", "skip_batches": "int?", "cause": "str?"},
-    "snapshot": {"where": "str?"},
+    "snapshot": {"where": "str?", "freed": "str?"},
     "snapshot_error": {"where": "str?", "error": "str?", "policy": "str?"},
     "snapshot_fallback": {"bad": "str?", "error": "str?", "used": "str?"},
     "resume": {
@@ -48,6 +48,7 @@ FIELD_TYPES: dict[str, dict[str, str]] = {
         "newest_step": "int?",
         "ranks_behind": "list?",
         "written_world_size": "int?",
+        "run_id": "str?",
     },
     "warning": {"transients": "int?", "message": "str?", "code": "str?", "evidence": "dict?"},
     "stats": {"tensors": "list?"},

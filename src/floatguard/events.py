@@ -62,10 +62,12 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "spike": ("signal", "value", "reproduced", "batch"),
         "lr_backoff": ("factor",),
         "rollback": ("to_step", "rollbacks", "skip_batches", "cause"),
-        "snapshot": ("where",),
+        "snapshot": ("where", "freed"),
         "snapshot_error": ("where", "error", "policy"),
         "snapshot_fallback": ("bad", "error", "used"),
-        "resume": ("from_step", "path", "newest_step", "ranks_behind", "written_world_size"),
+        "resume": (
+        "from_step", "path", "newest_step", "ranks_behind", "written_world_size", "run_id"
+    ),
         "warning": ("transients", "message", "code", "evidence"),
         "stats": ("tensors",),
         "stop": ("reason", "fault"),

@@ -152,8 +152,9 @@ class GuardEvents:
             cause=cause,
         )
 
-    def snapshot(self, step: int, where: str) -> None:
-        self.log.emit("snapshot", step, where=where)
+    def snapshot(self, step: int, where: str, freed: str | None = None) -> None:
+        """``freed``: the older snapshot removed because the disk had no room for it."""
+        self.log.emit("snapshot", step, where=where, freed=freed)
 
     def snapshot_error(self, step: int, where: str, error: str, policy: str) -> None:
         self.log.emit("snapshot_error", step, where=where, error=error, policy=policy)
@@ -168,6 +169,7 @@ class GuardEvents:
         newest: int | None = None,
         behind: list[int] | None = None,
         written_world_size: int | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.log.emit(
             "resume",
@@ -177,6 +179,7 @@ class GuardEvents:
             newest_step=newest,
             ranks_behind=behind,
             written_world_size=written_world_size,
+            run_id=run_id,
         )
 
     def warning(

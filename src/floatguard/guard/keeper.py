@@ -10,6 +10,7 @@ lets it go on :meth:`~SnapshotKeeper.close`.
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from pathlib import Path
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from floatguard.stability.respond import ResponsePolicy
 
 __all__ = ["SnapshotKeeper"]
+
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # a folder the lock cannot be made in
 
 
 def _tensors(objects: dict[str, Any]) -> list[torch.Tensor]:
@@ -72,6 +75,7 @@ class SnapshotKeeper:
         self.amax: dict[str, float] = {}
         self.vouched_step: int | None = None  # the step whose vetting last found it good
         self.run_id = new_run_id()
+        self._notes: list[tuple[str, str]] = []  # said once a resume has chosen its snapshot
         self.home = Path(policy.snapshot_dir) if policy.snapshot_dir is not None else None
         self.store = (
             SnapshotStore(self.home, policy.snapshot_keep, run_id=self.run_id)
@@ -200,10 +204,11 @@ class SnapshotKeeper:
         assert self.snapshot is not None
         self.amax = dict(amax)
         self.vouched_step = step
-        where = "memory"
+        where, freed = "memory", None
         if self.store is not None and (self.taken - 1) % self.policy.disk_every == 0:
             where = self._write(step, self.snapshot)
-        self.events.snapshot(step, where)
+            freed = self.store.freed if self.store is not None and where != "memory" else None
+        self.events.snapshot(step, where, str(freed) if freed is not None else None)
 
     def drop(self) -> None:
         """Forget a snapshot that failed its vetting (never restored, never written)."""
@@ -359,7 +364,20 @@ class SnapshotKeeper:
                 "Guard.resume() needs a path, or ResponsePolicy(snapshot_dir=...) to look in"
             )
         if self.home is not None and self.home.is_dir():
-            self._claim()  # before reading: no other guard writes there meanwhile
+            try:
+                self._claim()  # before reading: no other guard writes there meanwhile
+            except OSError as e:
+                if e.errno not in _READ_ONLY:
+                    raise
+                self._notes.append(
+                    (
+                        "read_only_folder",
+                        f"snapshot_dir {self.home} is read-only ({e.strerror}): resumed from it "
+                        "without its lock, and this run cannot write its snapshots there. To "
+                        "go on writing, give a writable snapshot_dir and "
+                        f"resume(path={str(self.home)!r})",
+                    )
+                )
         return target, self._expected_run(target)
 
     def verified_steps(
@@ -389,6 +407,10 @@ class SnapshotKeeper:
         (of step ``step``) passed over, saying why."""
         for p, why in bad:
             self.events.snapshot_fallback(step, str(p), why, str(used))
+        for code, note in self._notes:
+            warnings.warn(f"floatguard: {note}", RuntimeWarning, stacklevel=3)
+            self.events.warning(step, note, code=code)
+        self._notes = []
 
     @staticmethod
     def check_fit(snap: Snapshot, used: Path, objects: dict[str, Any]) -> None:
@@ -409,12 +431,47 @@ class SnapshotKeeper:
 
     def _expected_run(self, target: Path) -> str | None:
         """The run a resume continues: the snapshot folder's, else the one the files
-        resumed from belong to (their folder's); None when neither folder says."""
+        resumed from belong to (their folder's); in a folder with no identity file, the
+        run most of its snapshots' headers name (SnapshotError when two runs have as
+        many); None when nothing says."""
         if self.home is not None and self.home.is_dir():
             run = read_run_id(self.home)
             if run is not None:
                 return run
-        return read_run_id(target if target.is_dir() else target.parent)
+        folder = target if target.is_dir() else target.parent
+        run = read_run_id(folder)
+        if run is None and target.is_dir():
+            run = self._majority_run(target)
+        return run
+
+    def _majority_run(self, folder: Path) -> str | None:
+        """The run most snapshot headers in ``folder`` name (one without an identity
+        file); a warning for the passed-over runs is kept for :meth:`passed_over`."""
+        counts: dict[str, int] = {}
+        for p in SnapshotStore(folder).paths():
+            run = _run_of(p)
+            if run is not None:
+                counts[run] = counts.get(run, 0) + 1
+        if len(counts) < 2:
+            return next(iter(counts), None)
+        ranked = sorted(counts.items(), key=lambda rc: rc[1], reverse=True)
+        found = ", ".join(f"{r} ({n} file{'s' * (n > 1)})" for r, n in ranked)
+        if ranked[0][1] == ranked[1][1]:
+            raise SnapshotError(
+                f"{folder} has no floatguard-run.json and holds the snapshots of several "
+                f"runs, none the majority: {found}; nothing was loaded. Name the file "
+                "to continue: resume(path=.../snapshot-<step>.fgs), or put the run's "
+                "floatguard-run.json back"
+            )
+        self._notes.append(
+            (
+                "foreign_snapshots",
+                f"{folder} has no floatguard-run.json and holds the snapshots of several runs: "
+                f"{found}; resumed run {ranked[0][0]}, which most of them belong to (the "
+                "others' files are passed over and never pruned)",
+            )
+        )
+        return ranked[0][0]
 
     def adopt(self, snap: Snapshot, used: Path) -> None:
         """After a resume from ``used``: ``snap`` is the snapshot a rollback restores, and

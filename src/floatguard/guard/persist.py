@@ -167,7 +167,7 @@ class GuardPersistence:
         self._snapshot_pending = False  # the snapshot resumed from is the one to keep
         self._previous_applied = False
         self._state.save()
-        self._emit.resume(snap.step, str(used), newest, behind, written)
+        self._emit.resume(snap.step, str(used), newest, behind, written, snap.run_id)
         return snap.step
 
     def _load_counters(self, meta: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import io
 import os
 import random
@@ -555,6 +556,9 @@ def load_snapshot(
     return snap
 
 
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+
+
 class SnapshotStore:
     """The last ``keep`` snapshots of a run in ``folder``: ``snapshot-<step>.fgs``.
 
@@ -590,6 +594,7 @@ class SnapshotStore:
         self.keep = keep
         self.run_id = run_id
         self.exclusive = exclusive
+        self.freed: Path | None = None  # what the last save removed for room
 
     def path_for(self, step: int) -> Path:
         """``snapshot-<step>.fgs``, the step with at least 9 digits (more when it needs them)."""
@@ -632,14 +637,45 @@ class SnapshotStore:
 
     def save(self, snapshot: Snapshot) -> Path:
         """Write ``snapshot`` as this run's (its run id set to the store's; the
-        snapshot given is not changed), then prune the run's files beyond ``keep``."""
+        snapshot given is not changed), then prune the run's files beyond ``keep``.
+        A write the disk has no room for (ENOSPC, EDQUOT) removes the run's oldest
+        snapshot that is not its newest verified one and is tried once more;
+        :attr:`freed` names the file removed (None when none was)."""
         for p in self.leftovers():
             p.unlink(missing_ok=True)
         stamped = dataclasses.replace(snapshot, run_id=self.run_id)
-        path = stamped.save(self.path_for(snapshot.step))
+        self.freed = None
+        try:
+            path = stamped.save(self.path_for(snapshot.step))
+        except OSError as e:
+            if e.errno not in _NO_ROOM or (room := self._room_for(snapshot.step)) is None:
+                raise
+            room.unlink()
+            self.freed = room
+            try:
+                path = stamped.save(self.path_for(snapshot.step))  # once more
+            except OSError as again:
+                why = f"{again.strerror}, even after removing {room.name} to make room"
+                raise OSError(again.errno, why) from again
         for old in self.own()[self.keep :]:
             old.unlink(missing_ok=True)
         return path
+
+    def _room_for(self, step: int) -> Path | None:
+        """The file to remove when a save finds the disk full: the run's oldest
+        snapshot, never its newest one that verifies (the resume point), nor the file
+        being written. None when there is no such file."""
+        own = [p for p in self.own() if step_of(p.name) != step]
+        newest_good = None
+        for p in own:
+            try:
+                verified(p, _read_file(p))
+            except (SnapshotError, OSError):
+                continue
+            newest_good = p
+            break
+        spare = [p for p in own if p != newest_good]
+        return spare[-1] if spare else None
 
     def load_latest(
         self, map_location: str | torch.device | None = None, *, foreign: bool = False

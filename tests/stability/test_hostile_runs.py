@@ -1,0 +1,218 @@
+"""Another run's snapshots in a folder that lost its identity file (issue 39, item 4):
+without ``floatguard-run.json`` the run id in each snapshot's signed header still
+tells runs apart. A resume continues the run most of the folder's snapshots belong
+to, passes over the others' with an event each and a warning naming every run, and
+refuses (nothing loaded) when no run has the majority. The ``resume`` event names
+the run it resumed."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import floatguard
+from floatguard.stability.snapshot_folder import read_run_id
+
+
+def _run(folder: Path, steps: int, seed: int, log: Path) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    policy = floatguard.ResponsePolicy(snapshot_dir=folder, snapshot_every=5, snapshot_keep=2)
+    g = floatguard.Guard(model, opt, log=log, response=policy)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for _ in range(steps):
+        g.step(lambda: nn.functional.mse_loss(model(x), y))
+    g.close()
+    return model
+
+
+def _resume(folder: Path, log: Path) -> tuple[nn.Module, int]:
+    torch.manual_seed(123)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    policy = floatguard.ResponsePolicy(snapshot_dir=folder, snapshot_every=5, snapshot_keep=2)
+    g = floatguard.Guard(model, opt, log=log, response=policy)
+    try:
+        return model, g.resume()
+    finally:
+        g.close()
+
+
+def _events(log: Path, kind: str) -> list[dict[str, object]]:
+    return [e for line in log.read_text().splitlines() if (e := json.loads(line))["kind"] == kind]
+
+
+def test_a_foreign_newer_snapshot_is_passed_over_without_the_identity_file(
+    tmp_path: Path,
+) -> None:
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    _run(mine, 16, 0, tmp_path / "mine.jsonl")  # snapshots of steps 10 and 15 kept
+    _run(theirs, 21, 1, tmp_path / "theirs.jsonl")  # a newer one: step 20
+    my_run, their_run = read_run_id(mine), read_run_id(theirs)
+    assert my_run and their_run and my_run != their_run
+    shutil.copy(theirs / "snapshot-000000020.fgs", mine / "snapshot-000000020.fgs")
+    (mine / "floatguard-run.json").unlink()
+    log = tmp_path / "resume.jsonl"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, step = _resume(mine, log)
+    assert step == 15
+    (resume,) = _events(log, "resume")
+    assert resume["run_id"] == my_run and resume["from_step"] == 15
+    (fallback,) = _events(log, "snapshot_fallback")
+    assert str(fallback["bad"]).endswith("snapshot-000000020.fgs")
+    (warning,) = [w for w in _events(log, "warning") if w["code"] == "foreign_snapshots"]
+    assert my_run in str(warning["message"]) and their_run in str(warning["message"])
+    assert any(their_run in str(w.message) for w in caught)
+    # the foreign file is left as it was, and the folder is this run's again
+    assert (mine / "snapshot-000000020.fgs").read_bytes() == (
+        theirs / "snapshot-000000020.fgs"
+    ).read_bytes()
+
+
+def test_no_majority_is_refused_naming_both_runs(tmp_path: Path) -> None:
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    _run(mine, 16, 0, tmp_path / "mine.jsonl")
+    _run(theirs, 26, 1, tmp_path / "theirs.jsonl")  # steps 20 and 25
+    my_run, their_run = read_run_id(mine), read_run_id(theirs)
+    for name in ("snapshot-000000020.fgs", "snapshot-000000025.fgs"):
+        shutil.copy(theirs / name, mine / name)
+    (mine / "floatguard-run.json").unlink()
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    with pytest.raises(floatguard.SnapshotError) as e:
+        _resume(mine, tmp_path / "resume.jsonl")
+    assert str(my_run) in str(e.value) and str(their_run) in str(e.value)
+    assert "resume(path=" in str(e.value)
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
+
+
+def test_one_run_without_its_identity_file_resumes_as_before(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    _run(mine, 16, 0, tmp_path / "mine.jsonl")
+    my_run = read_run_id(mine)
+    (mine / "floatguard-run.json").unlink()
+    log = tmp_path / "resume.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        _, step = _resume(mine, log)
+    assert step == 15
+    (resume,) = _events(log, "resume")
+    assert resume["run_id"] == my_run
+    assert not _events(log, "snapshot_fallback")
+
+
+def test_a_full_disk_makes_room_by_pruning_the_oldest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 5: a disk with room for two snapshots and a bit (a fault-injected writer:
+    ENOSPC when two snapshot files are already there). With snapshot_keep=2 every save
+    from the third on needs the oldest file gone first: it is removed (never the
+    newest verified one), the save retried, and the snapshot event names what was
+    freed. Without it the resume point would stay at the second snapshot."""
+    from floatguard.stability import snapshot as snapshot_module
+
+    save = snapshot_module.Snapshot.save
+
+    def small_disk(self: snapshot_module.Snapshot, path: str | Path) -> Path:
+        folder = Path(path).parent
+        if len(list(folder.glob("snapshot-*.fgs"))) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(self, path)
+
+    monkeypatch.setattr(snapshot_module.Snapshot, "save", small_disk)
+    folder, log = tmp_path / "snaps", tmp_path / "run.jsonl"
+    _run(folder, 21, 0, log)
+    assert sorted(p.name for p in folder.glob("snapshot-*.fgs")) == [
+        "snapshot-000000015.fgs", "snapshot-000000020.fgs",
+    ]  # fmt: skip
+    assert not _events(log, "snapshot_error")
+    written = [(e["step"], Path(str(e["freed"])).name if e["freed"] else None)
+               for e in _events(log, "snapshot")]  # fmt: skip
+    assert written == [
+        (0, None), (5, None), (10, "snapshot-000000000.fgs"),
+        (15, "snapshot-000000005.fgs"), (20, "snapshot-000000010.fgs"),
+    ]  # fmt: skip
+    assert _resume(folder, tmp_path / "resume.jsonl")[1] == 20
+
+
+def test_a_disk_too_small_for_one_more_keeps_the_newest_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room for one snapshot only: the retry fails too, the newest verified file is
+    never the one removed, and the failure says what was tried."""
+    from floatguard.stability import snapshot as snapshot_module
+
+    save = snapshot_module.Snapshot.save
+
+    def tiny_disk(self: snapshot_module.Snapshot, path: str | Path) -> Path:
+        if list(Path(path).parent.glob("snapshot-*.fgs")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(self, path)
+
+    monkeypatch.setattr(snapshot_module.Snapshot, "save", tiny_disk)
+    folder, log = tmp_path / "snaps", tmp_path / "run.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _run(folder, 11, 0, log)
+    assert [p.name for p in folder.glob("snapshot-*.fgs")] == ["snapshot-000000000.fgs"]
+    errors = _events(log, "snapshot_error")
+    assert [e["step"] for e in errors] == [5, 10]
+    assert all("No space left" in str(e["error"]) for e in errors)
+
+
+def _read_only_resume(folder: Path, tmp_path: Path) -> None:
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    log = tmp_path / "resume.jsonl"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, step = _resume(folder, log)
+    assert step == 15
+    (warning,) = [w for w in _events(log, "warning") if w["code"] == "read_only_folder"]
+    assert "resume(path=" in str(warning["message"])
+    assert any("read-only" in str(w.message) for w in caught)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_read_only_folder_resumes_without_its_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 6, with the file system's answer injected (EROFS from the lock): the run
+    resumes, reading only, and says in one line how to go on writing."""
+    from floatguard.stability.snapshot_folder import FolderLock
+
+    folder = tmp_path / "snaps"
+    _run(folder, 16, 0, tmp_path / "run.jsonl")
+
+    def read_only(cls: type[FolderLock], where: str | Path) -> FolderLock:
+        raise OSError(errno.EROFS, "Read-only file system", str(Path(where) / "floatguard.lock"))
+
+    monkeypatch.setattr(FolderLock, "acquire", classmethod(read_only))
+    _read_only_resume(folder, tmp_path)
+
+
+def test_a_read_only_bind_mount_resumes(tmp_path: Path) -> None:
+    """Item 6 on a real read-only mount (root only: a read-only bind of the folder)."""
+    folder, mount = tmp_path / "snaps", tmp_path / "archive"
+    _run(folder, 16, 0, tmp_path / "run.jsonl")
+    mount.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "--bind", "-o", "ro", str(folder), str(mount)], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("needs root and mount(8) for a read-only bind")
+    try:
+        _read_only_resume(mount, tmp_path)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
