@@ -5,6 +5,7 @@ same in the live view, with a fault schedule valid for any --steps."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import signal
@@ -196,10 +197,18 @@ def test_ctrl_c_in_process_prints_interrupted(
     assert code == 130 and err.strip() == "interrupted"
 
 
+def _sigint_as_a_shell_gives_it() -> None:
+    # A child inherits an ignored SIGINT (Python then never raises KeyboardInterrupt),
+    # and a library in this test process may have left it ignored: Lightning does, on
+    # a KeyboardInterrupt during fit. A terminal's Ctrl-C reaches a fresh default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_the_demo_prints_interrupted(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "floatguard.cli", "demo", "--no-live", "--out", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        preexec_fn=_sigint_as_a_shell_gives_it,
     )  # fmt: skip
     assert proc.stdout is not None
     header = proc.stdout.readline()  # printed before the first step
@@ -248,9 +257,8 @@ def test_a_full_disk_stops_the_demo_run_with_its_reason(tmp_path: Path) -> None:
     assert len(r.losses) == 1  # the first step's events could not be written: stopped
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_under_the_report_is_one_line(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "run.jsonl"
     log = EventLog(run)
@@ -259,12 +267,95 @@ def test_a_full_disk_under_the_report_is_one_line(
                  clip_coef=1.0, scale=1.0, lr_factor=1.0, lr=None)  # fmt: skip
     log.close()
     out = tmp_path / "report"
-    out.mkdir()
-    (out / "timeline.png").symlink_to("/dev/full")
+
+    def full_disk(self: object, fname: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    monkeypatch.setattr("matplotlib.figure.Figure.savefig", full_disk)
     code, _, err = _main(capsys, "report", str(run), "--out", str(out))
     line = _one_red_line(err)
     assert code == 2
     assert "cannot write" in line and "No space left on device" in line
+    assert sorted(p.name for p in out.iterdir()) == []  # no temp file left behind
+
+
+# ------------------------------------------------------------------ the report's --out
+def _a_log(path: Path) -> bytes:
+    log = EventLog(path)
+    for i in range(3):
+        log.emit("step", i, action="applied", reason=None, loss=1.0 / (i + 1), grad_norm=1.0,
+                 clip_coef=1.0, scale=1.0, lr_factor=1.0, lr=None)  # fmt: skip
+    log.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("name", ["index.html", "timeline.png"])
+def test_the_report_refuses_to_overwrite_its_input(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+) -> None:
+    """Issue 39, item 7: the log is one of the files the report writes."""
+    log = tmp_path / name
+    before = _a_log(log)
+    code, _, err = _main(capsys, "report", str(log), "--out", str(tmp_path))
+    line = _one_red_line(err)
+    assert code == 2 and "overwrite its input" in line and "--out" in line
+    assert log.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_the_report_refuses_an_output_linked_to_its_input(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    log = tmp_path / "run.jsonl"
+    before = _a_log(log)
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "index.html").symlink_to(log)
+    code, _, err = _main(capsys, "report", str(log), "--out", str(out))
+    assert code == 2 and "overwrite its input" in _one_red_line(err)
+    assert log.read_bytes() == before
+
+
+def test_the_report_never_writes_through_a_link(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A link at index.html (or a plot's name) to a user's file: the link is replaced
+    by the page, the user's file stays byte-identical."""
+    log = tmp_path / "run.jsonl"
+    _a_log(log)
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"a user's notes\n" * 100)
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in ("index.html", "timeline.png"):
+        (out / name).symlink_to(victim)
+    code, _, _ = _main(capsys, "report", str(log), "--out", str(out))
+    assert code == 0
+    assert victim.read_bytes() == b"a user's notes\n" * 100
+    for name in ("index.html", "timeline.png"):
+        assert not (out / name).is_symlink() and (out / name).stat().st_size > 0
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
+    assert (out / "index.html").read_text().startswith("<!doctype html>")
+
+
+def test_a_report_killed_midway_leaves_the_old_page_whole(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "run.jsonl"
+    _a_log(log)
+    out = tmp_path / "report"
+    assert _main(capsys, "report", str(log), "--out", str(out))[0] == 0
+    good = (out / "index.html").read_bytes()
+    write_text = Path.write_text
+
+    def killed(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        write_text(self, data[: len(data) // 2], *args, **kwargs)  # half the page, then
+        raise KeyboardInterrupt  # Ctrl-C
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    code, _, err = _main(capsys, "report", str(log), "--out", str(out))
+    assert code == 130 and err.strip() == "interrupted"
+    assert (out / "index.html").read_bytes() == good
 
 
 # ------------------------------------------------------------------ the fault schedule

@@ -7,15 +7,23 @@ would be read until memory runs out; a directory under a file's name raises
 (``O_NONBLOCK``), checks the opened file's type (``fstat``: what was opened, not what a
 name pointed to a moment before), and reads at most its size (and at most ``limit``).
 A non-regular file raises :class:`NotRegularFile` (an ``OSError``) naming what it is.
+
+Writing into such a folder, :func:`replacing` writes a temp file beside the target and
+renames it over the target's name: a link there is replaced, never written through, and
+a writer killed midway leaves the old file whole (and a hidden temp file), never half
+of a new one.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["NotRegularFile", "file_kind", "read_regular"]
+__all__ = ["NotRegularFile", "file_kind", "read_regular", "replacing"]
 
 _CHUNK = 1 << 24
 
@@ -62,3 +70,22 @@ def read_regular(path: str | os.PathLike[str], limit: int | None = None) -> byte
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def replacing(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new temp file's path in ``target``'s folder (same suffix) to write; when the
+    block ends without an error it is renamed over ``target`` (readable by all, as a
+    file made with the usual umask), else removed. The rename replaces whatever name
+    ``target`` is (a link: the link, not its target); a directory there raises
+    IsADirectoryError with nothing changed."""
+    dest = Path(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=dest.suffix, dir=dest.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

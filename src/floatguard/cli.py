@@ -434,7 +434,9 @@ def report(
     log, problems = _read_runs(list(runs))
     try:
         origin = ", ".join(str(r) for r in runs)
-        index = render_report(log, folder, origin=origin, problems=problems)
+        index = render_report(log, folder, origin=origin, problems=problems, inputs=runs)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     except OSError as e:
         raise _write_failed(e, folder) from None
     for p in problems:

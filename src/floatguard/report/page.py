@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from floatguard._event_schema import finite as _finite
+from floatguard._safe_io import replacing
 from floatguard.diagnose import Finding, RunInfo, clipped_steps, diagnose, run_info
 from floatguard.events import Event, conform_events
 from floatguard.report.verdict import Verdict, verdict_of
@@ -311,7 +312,8 @@ def _save(fig: Any, plt: Any, path: Path) -> None:
             fig.tight_layout()
         except (ValueError, OverflowError):
             pass
-        fig.savefig(path, dpi=90)
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=90, format=path.suffix.lstrip("."))
     plt.close(fig)
 
 
@@ -587,16 +589,38 @@ def _findings(found: list[Finding]) -> str:
 def _write_logs(events: list[Event], out: Path) -> None:
     """Events given in code are written beside the page (one log per rank, whole lines:
     a kind this floatguard does not know is kept as it is)."""
-    files: dict[int, Any] = {}
-    try:
-        for e in events:
-            if e.rank not in files:
-                name = "events.jsonl" if e.rank == 0 else f"events-rank{e.rank}.jsonl"
-                files[e.rank] = open(out / name, "w", encoding="utf-8")
-            files[e.rank].write(e.to_json() + "\n")
-    finally:
-        for fh in files.values():
-            fh.close()
+    lines: dict[int, list[str]] = {}
+    for e in events:
+        lines.setdefault(e.rank, []).append(e.to_json() + "\n")
+    for rank, text in lines.items():
+        name = "events.jsonl" if rank == 0 else f"events-rank{rank}.jsonl"
+        with replacing(out / name) as tmp:
+            tmp.write_text("".join(text), encoding="utf-8")
+
+
+# every file a report writes into its folder (the event logs only for events given)
+OUTPUTS = ("index.html", "timeline.png", "scale.png", "heatmap.png", "histograms.png")
+
+
+def _refuse_overwriting(source: object, inputs: Sequence[object], out: Path) -> None:
+    """ValueError when a log read (``source``'s paths, ``inputs``) is one of the files
+    the report writes (the same file: by name, through a link, or a hard link)."""
+    items = [source] if isinstance(source, (str, os.PathLike)) else source
+    if isinstance(items, RunLog) or not isinstance(items, (list, tuple)):
+        items = []
+    for item in [*items, *inputs]:
+        if not isinstance(item, (str, os.PathLike)):
+            continue
+        for name in OUTPUTS:
+            try:
+                same = os.path.samefile(item, out / name)
+            except OSError:
+                continue
+            if same:
+                raise ValueError(
+                    f"the report would overwrite its input: {item} is {out / name}; "
+                    "choose another output folder (--out)"
+                )
 
 
 def render_report(
@@ -607,6 +631,7 @@ def render_report(
     progress: Callable[[int, int], None] | None = None,
     origin: str | None = None,
     problems: Sequence[str] = (),
+    inputs: Sequence[str | os.PathLike[str]] = (),
 ) -> Path:
     """Write the report of ``source`` (a JSONL path, several paths (one log per rank),
     or events) into ``out_dir``; the path of ``index.html``. A multi-rank run (one
@@ -615,9 +640,16 @@ def render_report(
     :class:`~floatguard.runlog.RunLog` (memory grows with the steps, not the bytes);
     ``progress(bytes_read, total)`` is called as they are read. A :class:`RunLog` read
     already may be given with the ``problems`` its reading met and its ``origin`` (the
-    page's "from" line). Raises OSError (with the folder named) when it cannot write."""
+    page's "from" line), and ``inputs``, the files it was read from.
+
+    Each file is written to a temp file in ``out_dir`` and renamed over its name (a
+    link there is replaced, never written through; a report killed midway leaves the
+    previous page whole). ValueError, with nothing written, when a log read is one of
+    the files the report writes (``index.html``, the plots); OSError (with the folder
+    named) when it cannot write."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _refuse_overwriting(source, inputs, out)
     given_origin = origin
     problems = list(problems)
     if isinstance(source, (str, os.PathLike)):
@@ -677,5 +709,6 @@ def render_report(
         "</body></html>",
     ]  # fmt: skip
     index = out / "index.html"
-    index.write_text("\n".join(parts), encoding="utf-8")
+    with replacing(index) as tmp:
+        tmp.write_text("\n".join(parts), encoding="utf-8")
     return index
