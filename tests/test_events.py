@@ -60,7 +60,8 @@ def test_schema_1_files_are_still_read(tmp_path: Path) -> None:
     lines = [
         {"schema": 1, "kind": "fault", "step": 3, "time": 1.0, "phase": "input",
          "kind_of_value": "nan", "module": "", "tensor": "input[0]", "shape": [2]},
-        {"schema": 1, "kind": "step", "step": 3, "time": 1.0, "loss": "nan", "grad_norm": "inf"},
+        {"schema": 1, "kind": "step", "step": 3, "time": 1.0, "action": "skipped",
+         "reason": "nonfinite", "loss": "nan", "grad_norm": "inf"},
     ]  # fmt: skip
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     fault, step = read_events(path)
@@ -119,7 +120,7 @@ def test_torn_lines_are_skipped_with_a_warning_or_raise_when_strict(tmp_path: Pa
     path = tmp_path / "run.jsonl"
     log = EventLog(path)
     for i in range(3):
-        log.emit("snapshot", i, where="memory")
+        log.emit("snapshot", i, where="memory", freed=None)
     log.close()
     whole = path.read_bytes()
     line = json.dumps({"schema": 2, "kind": "lr_backoff", "step": 3, "time": 1.0, "factor": 0.5})
@@ -139,7 +140,7 @@ def test_an_appending_writer_starts_after_a_torn_line(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     path.write_bytes(b'{"schema": 2, "kind": "snapshot", "step": 0, "time": 1.0, "where": "mem')
     log = EventLog(path)
-    log.emit("snapshot", 1, where="memory")
+    log.emit("snapshot", 1, where="memory", freed=None)
     log.close()
     with pytest.warns(RuntimeWarning, match=r"run\.jsonl:1: a torn line"):
         events = list(read_events(path))
@@ -149,7 +150,7 @@ def test_an_appending_writer_starts_after_a_torn_line(tmp_path: Path) -> None:
 def test_memory_is_bounded_and_counts_run_on(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "run.jsonl", keep=100)
     for i in range(10_000):
-        log.emit("snapshot", i, where="memory")
+        log.emit("snapshot", i, where="memory", freed=None)
     assert len(log.events) == 100 and log.events[0].step == 9_900
     assert log.counts["snapshot"] == 10_000
     log.close()
@@ -162,12 +163,12 @@ def test_fsync_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd) or real(fd))
     log = EventLog(tmp_path / "a.jsonl")  # default: never
     for i in range(10):
-        log.emit("snapshot", i, where="memory")
+        log.emit("snapshot", i, where="memory", freed=None)
     log.close()
     assert calls == []
     log = EventLog(tmp_path / "b.jsonl", fsync_every=4)
     for i in range(10):
-        log.emit("snapshot", i, where="memory")
+        log.emit("snapshot", i, where="memory", freed=None)
     assert len(calls) == 2
     log.close()  # and once at close
     assert len(calls) == 3
@@ -181,7 +182,7 @@ def test_a_failed_write_warns_once_and_keeps_going() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(3):
-            log.emit("snapshot", i, where="memory")
+            log.emit("snapshot", i, where="memory", freed=None)
     assert len([w for w in caught if "cannot write events" in str(w.message)]) == 1
     assert len(log.events) == 3 and log.write_error is not None
     log.close()
@@ -231,12 +232,12 @@ def test_a_zero_filled_tail_and_a_bom_are_read_and_the_writer_starts_clean(
 ) -> None:
     path = tmp_path / "run.jsonl"
     log = EventLog(path)
-    log.emit("snapshot", 1, where="memory")
+    log.emit("snapshot", 1, where="memory", freed=None)
     log.close()
     with open(path, "ab") as fh:
         fh.write(b'{"schema": 2, "kind": "step", "st' + b"\x00" * 4096)  # a crash's zeros
     log = EventLog(path)  # a resumed run appends: on a clean line, after the zeros
-    log.emit("snapshot", 2, where="memory")
+    log.emit("snapshot", 2, where="memory", freed=None)
     log.close()
     with pytest.warns(RuntimeWarning, match=r"run\.jsonl:2: a torn line"):
         assert [e.step for e in read_events(path)] == [1, 2]

@@ -14,7 +14,7 @@ from typing import Any
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from floatguard._event_schema import FIELD_TYPES, STATS_TENSOR_TYPES
+from floatguard._event_schema import FIELD_TYPES, REQUIRED, STATS_TENSOR_TYPES
 from floatguard.diagnose import _RULES, diagnose
 from floatguard.events import SCHEMA_VERSION, encode_value, read_events
 from floatguard.report import render_report
@@ -146,6 +146,9 @@ def _event(draw: st.DrawFn, step: int) -> dict[str, Any]:
         "rank": draw(st.integers(0, 3)),
     }
     for name, field_kind in FIELD_TYPES[kind].items():
+        if name in REQUIRED.get(kind, ()):  # every writer had it: an event without it is
+            rec[name] = draw(_value(name, field_kind).filter(lambda v: v is not None))
+            continue  # unreadable (test_a_required_field_missing_is_named_unreadable)
         if draw(st.integers(0, 5)) == 0:
             continue  # a field this (older) writer did not have
         rec[name] = draw(_value(name, field_kind))

@@ -116,10 +116,17 @@ def _tensor_entry(entry: Any, i: int) -> str | None:
     return None
 
 
+# The fields without which an event says nothing (every floatguard has written them):
+# an event missing one is unreadable, never read as a guess.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "step": ("action",), "fault": ("phase",), "spike": ("signal",), "stop": ("reason",),
+}  # fmt: skip
+
+
 def conform_fields(kind: str, fields: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """``fields`` with every field of ``kind`` present (a missing one as None), and why
-    the event is unreadable (a field of the wrong type, named), or None. Unknown kinds
-    pass as they are."""
+    the event is unreadable (a field of the wrong type, or one of :data:`REQUIRED`
+    missing, named), or None. Unknown kinds pass as they are."""
     types = FIELD_TYPES.get(kind)
     if types is None:
         return fields, None
@@ -145,7 +152,10 @@ def conform_fields(kind: str, fields: dict[str, Any]) -> tuple[dict[str, Any], s
             why = _tensor_entry(entry, i)
             if why is not None:
                 return out, f"stats event: {why}"
-    if kind == "step" and out["action"] not in (None, "applied", "skipped", "rolled_back"):
+    for name in REQUIRED.get(kind, ()):
+        if out[name] is None:
+            return out, f"a {kind} event without its {name!r}"
+    if kind == "step" and out["action"] not in ("applied", "skipped", "rolled_back"):
         return (
             out,
             "step field 'action' must be applied, skipped or rolled_back, got "

@@ -779,8 +779,8 @@ def scale_collapse(events: RunLog) -> list[Finding]:
         )]  # fmt: skip
     return [Finding(
         "fp16_overflow", "fp16 gradient overflows",
-        f"{len(over)} step(s) skipped with the loss scale backed off (steps {_list(steps)}); "
-        f"scale now {last:g}",
+        f"{len(over)} step(s) skipped for a gradient overflow (steps {_list(steps)})"
+        + (f"; the loss scale backed off, now {last:g}" if afters else ""),
         "scaled gradients above 65504: normal at the start of fp16 training, rare after",
         "nothing to do if rare (the scale recovers); frequent ones: lower the LR or use bf16",
         1, steps,
@@ -1077,7 +1077,8 @@ def transients(events: RunLog) -> list[Finding]:
 def loss_nan_unguarded(events: RunLog) -> list[Finding]:
     steps = events.steps
     losses = steps.column("loss")
-    bad = [j for j, v in enumerate(losses) if not _finite(v)]
+    known = [j for j, v in enumerate(losses) if v is not None]  # a step without a loss: unknown
+    bad = [j for j in known if not _finite(losses[j])]
     if not bad or events.of_kind("fault"):
         return []
     # The run died where its last stretch of non-finite losses began; earlier isolated
@@ -1085,7 +1086,7 @@ def loss_nan_unguarded(events: RunLog) -> list[Finding]:
     bad_set, start = set(bad), bad[-1]
     while start - 1 in bad_set:
         start -= 1
-    died = bad[-1] == len(losses) - 1  # the run ended non-finite
+    died = bad[-1] == known[-1]  # the run ended non-finite (its last known loss)
     first = steps.step[start] if died else steps.step[bad[0]]
     earlier = [steps.step[j] for j in bad if j < start] if died else []
     before = [
@@ -1106,7 +1107,7 @@ def loss_nan_unguarded(events: RunLog) -> list[Finding]:
         else "find the op with Guard.step(closure) (it replays the step) and stabilize it"
     )
     evidence = (
-        f"non-finite from step {first} to the end ({len(losses) - start} steps)"
+        f"non-finite from step {first} to the end ({len(bad) - bad.index(start)} steps)"
         + (f"; before that, isolated non-finite steps {_list(earlier)} the run survived"
            if earlier else "")
         if died
@@ -1413,7 +1414,14 @@ def localized_faults(events: RunLog) -> list[Finding]:
         and not any(k in str(e["op"] or "") for k in _NAMED_OPS) and not _is_norm(e)
     ]  # fmt: skip
     by = Counter((e["module"], e["phase"], e["op"]) for e in hits)
-    once = [e for e in hits if by[(e["module"], e["phase"], e["op"])] < 2]  # repeated: its rule
+    at = Counter((e["module"], e["phase"]) for e in hits)  # for a fault without its op
+
+    def repeated(e: Event) -> bool:  # repeated: its own rule
+        if e["op"] is None:
+            return at[(e["module"], e["phase"])] > 1
+        return by[(e["module"], e["phase"], e["op"])] > 1
+
+    once = [e for e in hits if not repeated(e)]
     if not once:
         return []
     first = once[0]
@@ -1795,11 +1803,15 @@ def slow_divergence(events: RunLog) -> list[Finding]:
                     tuple(e.step for e in hits))]  # fmt: skip
 
 
-def diagnose(events: Iterable[Event]) -> list[Finding]:
+def diagnose(events: Iterable[Event], unread: Sequence[str] = ()) -> list[Finding]:
     """Run every rule over ``events`` (a :class:`~floatguard.runlog.RunLog`, or any
     events: checked and completed as the reader does); the findings, most severe first
-    (then earliest)."""
-    problems: list[str] = []
+    (then earliest). ``unread``: the lines the reader could not read (its
+    ``problems``); they, and any event given here that cannot be read, are counted
+    and named in an ``unreadable_events`` finding, and no other finding rests on them.
+    A field absent from an event that was read is unknown: no rule reads it as a
+    value (a step without a loss is not a NaN loss)."""
+    problems: list[str] = list(unread)
     log = global_view(RunLog.from_events(events, problems))  # several ranks: the agreed view
     found: list[Finding] = []
     for rule in _RULES:
@@ -1815,10 +1827,13 @@ def diagnose(events: Iterable[Event]) -> list[Finding]:
             ))  # fmt: skip
     if problems:
         found.append(Finding(
-            "unreadable_events", f"{len(problems)} event(s) could not be read",
-            "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""),
-            "a field of the wrong type (a log written by another tool, or edited by hand)",
-            "the diagnosis left them out; fix or remove those events",
+            "unreadable_events", f"{len(problems)} line(s) or event(s) could not be read",
+            "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
+                                       else ""),
+            "a line cut short (a run killed mid-write), an event without a field it needs "
+            "or with a field of the wrong type (a log written by another tool, or edited "
+            "by hand)",
+            "the diagnosis left them out and rests on the rest; fix or remove those lines",
             1, (),
         ))  # fmt: skip
     return sorted(found, key=lambda f: (-f.severity, f.steps[0] if f.steps else math.inf))

@@ -159,7 +159,7 @@ def verdict_of(events: Iterable[Event]) -> Verdict:
     """The run's :class:`Verdict` (see the module for what "healthy" takes)."""
     log = RunLog.from_events(events)
     steps, faults, stops = log.steps, log.of_kind("fault"), log.of_kind("stop")
-    losses = steps.column("loss")
+    losses = [v for v in steps.column("loss") if v is not None]  # a missing loss: unknown
     bad_tail = bool(losses[-5:]) and all(not _finite(v) for v in losses[-5:])
     resumes = log.of_kind("resume")
     # a stop a later resume of its rank went on from is history, not how the run ended
@@ -175,7 +175,10 @@ def verdict_of(events: Iterable[Event]) -> Verdict:
         return Verdict("died", f"Stopped at step {s.step}: {s['reason']}{why}{resumed}",
                        len(faults), n)  # fmt: skip
     if bad_tail:
-        first = next(steps.step[j] for j, v in enumerate(losses) if not _finite(v))
+        first = next(
+            s for s, v in zip(steps.step, steps.column("loss"), strict=True)
+            if v is not None and not _finite(v)
+        )  # fmt: skip
         return Verdict("died", f"Died at step {first}: the loss stayed non-finite to the end",
                        len(faults), n)  # fmt: skip
     checks = _Checks([], [], [])
