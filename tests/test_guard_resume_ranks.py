@@ -23,6 +23,7 @@ from torch import nn
 
 from floatguard import Guard, PeerFailed, ResponsePolicy, SnapshotError
 from floatguard.events import read_events
+from floatguard.stability.snapshot_folder import read_run_id
 
 from ._ranks import run_ranks
 
@@ -170,10 +171,12 @@ def test_ranks_with_different_newest_snapshots_resume_from_the_common_step(
     _assert_same_as_full(full, res)
     ev0, ev1 = _resume_events(root, 0), _resume_events(root, 1)
     path0, path1 = str(_snap(root, 0, 6)), str(_snap(root, 1, 6))
+    run0, run1 = read_run_id(Path(path0).parent), read_run_id(Path(path1).parent)
+    assert run0 is not None and run1 is not None  # each rank's folder its own run
     assert ev0 == [{"step": 6, "from_step": 6, "path": path0, "newest_step": 8,
-                    "ranks_behind": [1], "written_world_size": 2}]  # fmt: skip
+                    "ranks_behind": [1], "written_world_size": 2, "run_id": run0}]  # fmt: skip
     resume1 = {"step": 6, "from_step": 6, "path": path1, "newest_step": None,
-               "ranks_behind": [1], "written_world_size": 2}  # fmt: skip
+               "ranks_behind": [1], "written_world_size": 2, "run_id": run1}  # fmt: skip
     if loss == "deleted":
         assert ev1 == [resume1]
     else:  # passed over, saying why

@@ -32,8 +32,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from floatguard._safe_io import read_regular
-from floatguard.stability._process import HOST, process_start, writer_tag
+from floatguard._safe_io import read_regular, replacing
+from floatguard.stability._process import HOST, process_start
 from floatguard.stability._snapshot_file import SnapshotError
 
 __all__ = [
@@ -303,8 +303,8 @@ def read_run_id(folder: str | os.PathLike[str]) -> str | None:
     except (ValueError, KeyError, TypeError):
         pass
     warnings.warn(
-        f"floatguard: {path} is unreadable; its snapshots are resumed without a run "
-        "check (the next snapshot written there rewrites it)",
+        f"floatguard: {path} is unreadable; a resume tells the run from the snapshots' "
+        "headers (the next snapshot written there rewrites it)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -313,15 +313,8 @@ def read_run_id(folder: str | os.PathLike[str]) -> str | None:
 
 def write_run_id(folder: str | os.PathLike[str], run_id: str) -> None:
     """Make ``run_id`` the folder's run: the identity file written atomically."""
-    path = Path(folder) / IDENTITY_FILE
-    tmp = path.with_name(f".{IDENTITY_FILE}.{writer_tag()}.tmp")
     record = {"run_id": run_id, "created": time.time(), "host": HOST, "pid": os.getpid()}
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(record, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(Path(folder) / IDENTITY_FILE) as tmp, open(tmp, "w") as fh:
+        json.dump(record, fh)  # a new temp file (never a name planted before), renamed over
+        fh.flush()
+        os.fsync(fh.fileno())
