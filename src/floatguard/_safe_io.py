@@ -22,8 +22,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["NotRegularFile", "file_kind", "read_regular", "replacing"]
+__all__ = ["NotRegularFile", "file_kind", "open_regular", "read_regular", "replacing"]
 
 _CHUNK = 1 << 24
 
@@ -46,6 +47,22 @@ _KINDS = (
 def file_kind(mode: int) -> str:
     """Words for a file type (``st_mode``)."""
     return next((words for test, words in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """The regular file at ``path`` (links followed to it) open for reading, binary;
+    FileNotFoundError when there is none; NotRegularFile for anything else, without
+    blocking (a FIFO with no writer would block a plain ``open`` forever)."""
+    p = Path(path)
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{p} is {file_kind(mode)}, not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_regular(path: str | os.PathLike[str], limit: int | None = None) -> bytes:

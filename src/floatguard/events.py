@@ -24,6 +24,7 @@ count per kind; the file has them all.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from floatguard._event_schema import FIELD_TYPES, conform_fields
+from floatguard._safe_io import NotRegularFile, open_regular
 
 __all__ = [
     "EVENT_FIELDS", "FIELD_TYPES", "SCHEMA_VERSION", "Event", "EventLog", "conform_events",
@@ -191,7 +193,7 @@ class EventLog:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             torn = _ends_torn(self.path)
-            self._fh = open(self.path, "a", encoding="utf-8")  # closed in close()
+            self._fh = _open_log(self.path)  # closed in close()
             if torn:
                 self._fh.write("\n")  # a crash left half a line: start on a fresh one
 
@@ -260,16 +262,40 @@ class EventLog:
             self._drop_file()
 
 
-def _ends_torn(path: Path) -> bool:
-    """Whether a non-empty file's last byte is not a newline (a line cut by a crash)."""
+def _open_log(path: Path) -> IO[str]:
+    """``path`` open for appending. The path is the user's: a link is followed, a device
+    (``/dev/null``) or a FIFO with a reader is written to; a FIFO with no reader (a
+    plain open would wait for one forever) and a directory are refused, naming it."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(path, "rb") as fh:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except IsADirectoryError:
+        raise IsADirectoryError(
+            f"log={str(path)!r} is a directory; give a file, e.g. {str(path / 'events.jsonl')!r}"
+        ) from None
+    except OSError as e:
+        if e.errno != errno.ENXIO:
+            raise
+        raise NotRegularFile(
+            f"log={str(path)!r} is a FIFO with no reader: writing would wait for one "
+            "forever; start its reader first, or give a file"
+        ) from None
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)  # a FIFO's reader may be slow: wait for it, never drop
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether a non-empty regular file's last byte is not a newline (a line cut by a
+    crash); False for anything else (a FIFO, a device: never opened to read)."""
+    try:
+        with open_regular(path) as fh:
             fh.seek(0, os.SEEK_END)
             if fh.tell() == 0:
                 return False
             fh.seek(-1, os.SEEK_END)
             return fh.read(1) != b"\n"
-    except FileNotFoundError:
+    except (FileNotFoundError, NotRegularFile):
         return False
 
 
@@ -500,9 +526,9 @@ def read_events(
     ``strict=True``. A UTF-8 byte-order mark is ignored; blank lines are skipped.
     ``progress(bytes_read, total_bytes)`` is called every few MB (a progress bar).
     """
-    total = os.path.getsize(path)
     read, reported = 0, 0
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:  # a FIFO or a device: NotRegularFile, never a hang
+        total = os.fstat(fh.fileno()).st_size
         for n, raw in enumerate(fh, 1):
             read += len(raw)
             if progress is not None and read - reported >= 4 << 20:

@@ -122,3 +122,44 @@ def test_load_snapshot_refuses_what_is_not_a_file(tmp_path: Path) -> None:
     folder.mkdir()
     with pytest.raises(SnapshotError, match="is a directory"):
         load_snapshot(folder)
+
+
+EVENT_LOG = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    from floatguard.events import EventLog, read_events
+    where = Path(sys.argv[1])
+    out = {}
+    fifo = where / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for name, make in (("write", lambda: EventLog(fifo)), ("read", lambda: list(read_events(fifo))),
+                       ("dir", lambda: EventLog(where))):
+        try:
+            make()
+            out[name] = "ok"
+        except OSError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    log = EventLog(os.devnull)  # a device the user named: written to
+    log.emit("snapshot", 0, where="memory", freed=None)
+    log.close()
+    out["devnull"] = log.write_error
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_event_log_never_waits_on_a_fifo(tmp_path: Path) -> None:
+    """A FIFO with no reader at the event log's path: refused at once, naming it, for
+    writing and for reading (a plain open waits for the other end forever); a
+    directory there is named with the fix; /dev/null, a device the user chose, works."""
+    done = subprocess.run(
+        [sys.executable, "-c", EVENT_LOG, str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["write"].startswith("NotRegularFile") and "FIFO with no reader" in out["write"]
+    assert out["read"].startswith("NotRegularFile") and "is a FIFO" in out["read"]
+    assert out["dir"].startswith("IsADirectoryError") and "events.jsonl" in out["dir"]
+    assert out["devnull"] is None
