@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest demo bench gpu-check clean
+.PHONY: install test test-fast lint typecheck pytest demo bench gpu-check clean
 
 # Every install goes through constraints.txt, the development and CI lock (README,
 # "Pinned test tools"). The editable install builds with the pinned hatchling, not an
@@ -35,6 +35,11 @@ pytest: $(STAMP)
 	$(VENV)/bin/pytest
 
 test: lint typecheck pytest
+
+# The inner loop: no test that starts ranks or another program, none of the slow ones
+# (tests/conftest.py fails a test that starts a process without its marker).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -m "not ranks and not subprocess and not slow" --durations=5
 
 demo: $(STAMP)
 	$(VENV)/bin/floatguard demo --out floatguard-demo --force

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from floatguard.cli import app
@@ -49,6 +50,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.subprocess
 def test_user_mistakes_are_one_red_line_exit_2() -> None:
     for args, needle in [
         (("explain", "0.1", "--format", "e4m3fm"), "unknown format 'e4m3fm'; did you mean"),

@@ -204,6 +204,7 @@ def _sigint_as_a_shell_gives_it() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_during_the_demo_prints_interrupted(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "floatguard.cli", "demo", "--no-live", "--out", str(tmp_path)],
@@ -495,6 +496,7 @@ def test_the_demo_output_fits_a_screen_and_the_live_view_shows_the_same(
     assert live_events == events  # the same lines, in the same order
 
 
+@pytest.mark.subprocess
 def test_end_to_end_one_line_and_no_traceback(tmp_path: Path) -> None:
     for args, code, needle in [
         (["explain", "-inf", "-f", "fp16"], 0, "-inf stored in fp16"),
@@ -532,3 +534,17 @@ def test_names_from_a_log_cannot_drive_the_terminal(
     assert rc == 0 and "\x1b" not in out + err and "\x07" not in out + err
     assert "\\x1b[2J\\x1b[31mevil" in out  # shown, escaped
     assert "could not be read" in out and "'loss' must be num" in out  # counted, named
+
+
+@pytest.mark.parametrize("name", ["index.html", "timeline.png"])
+def test_a_directory_in_the_way_of_an_output_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+) -> None:
+    log = tmp_path / "run.jsonl"
+    _a_log(log)
+    out = tmp_path / "report"
+    (out / name).mkdir(parents=True)
+    code, _, err = _main(capsys, "report", str(log), "--out", str(out))
+    line = _one_red_line(err)
+    assert code == 2 and f"cannot write '{out / name}'" in line, line
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp file left

@@ -18,6 +18,8 @@ from floatguard.events import read_events
 from floatguard.report import render_report
 from floatguard.runlog import RunLog
 
+pytestmark = pytest.mark.subprocess
+
 STEPS = 240
 
 

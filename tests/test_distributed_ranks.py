@@ -19,6 +19,8 @@ from floatguard.events import read_events
 
 from ._ranks import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 NAN_BATCH, NAN_WEIGHT, NAN_FORWARD = 5, 9, 13
 STEPS = 16
 

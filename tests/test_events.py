@@ -7,6 +7,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -277,3 +278,23 @@ def test_a_mistyped_field_is_an_error_naming_file_line_and_field(
     with pytest.raises(ValueError, match=r"run\.jsonl:1: ") as err:
         list(read_events(path))
     assert message in str(err.value)
+
+
+def test_a_log_that_cannot_be_opened_for_room_or_rights_warns_and_keeps_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only folder (EROFS) at construction, as mid-run: a warning, the events in
+    memory, training goes on (a FIFO or a directory is a user's mistake: raised)."""
+    import errno
+
+    import floatguard.events as events_module
+
+    def read_only(path: Path) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(events_module, "_open_log", read_only)
+    with pytest.warns(RuntimeWarning, match="Read-only file system.*from the start"):
+        log = EventLog(tmp_path / "events.jsonl")
+    log.emit("snapshot", 0, where="memory", freed=None)
+    log.close()
+    assert log.write_error is not None and len(log.events) == 1

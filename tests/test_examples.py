@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -136,6 +136,7 @@ def verdicts(rows: list[Any]) -> list[str]:
     return [r.verdict for r in rows]
 
 
+@pytest.mark.subprocess
 def test_without_cuda_it_prints_one_line_and_exits_0() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run(

@@ -22,6 +22,8 @@ from floatguard.guard import Guard
 
 from ._ranks import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 STEPS = 6  # batches per rank (the uneven cases give rank 1 fewer)
 AT = 3  # the iteration where rank 1 goes wrong
 IDLE_TIMEOUT_S = 2.0  # peer_timeout_s of the case that waits for a silent rank

@@ -6,12 +6,15 @@ import math
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 from floatguard import Guard, ResponsePolicy, SpikePolicy
+
+pytestmark = pytest.mark.ranks
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, consistent: bool) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.ranks
+
 _SCRIPT = """
 import sys, time, torch, torch.distributed as dist
 from torch import nn

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +19,8 @@ from floatguard.stability._host_copy import HostShard
 
 from ._ranks import run_ranks
 from .test_distributed_ranks import Net
+
+pytestmark = pytest.mark.ranks
 
 
 def _leaves(v: Any) -> list[Any]:

@@ -73,6 +73,7 @@ def _comparable(events: list) -> list[tuple[str, int, str]]:  # type: ignore[typ
     return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("kill_after", [27, 44])
 def test_a_killed_run_resumes_bit_identically(tmp_path: Path, kill_after: int) -> None:
     full = _train(tmp_path, "full", "full")

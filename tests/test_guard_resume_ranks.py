@@ -27,6 +27,8 @@ from floatguard.stability.snapshot_folder import read_run_id
 
 from ._ranks import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 STEPS = 12  # the whole run
 CUT = 9  # the interrupted run's steps: snapshots of steps 6 and 8 kept on every rank
 NAN_BATCH = (1, 10)  # (rank, step): a NaN batch after the resume, skipped on every rank

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -15,6 +16,8 @@ from floatguard import Guard, ResponsePolicy, SnapshotError, read_events
 
 from ._ranks import run_ranks
 from .test_distributed_ranks import Net
+
+pytestmark = pytest.mark.ranks
 
 
 def _write(rank: int, world: int, out: str, kind: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,6 +17,8 @@ from floatguard.guard import Guard
 
 from ._ranks import run_ranks
 from .test_guard_stall import Net
+
+pytestmark = pytest.mark.ranks
 
 
 def _state_worker(rank: int, world: int, out: str) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from floatguard.guard import Guard
 
 from ._ranks import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 AT = 3  # the guard step before which rank 1 stalls
 LIMIT_S = 2.0  # peer_timeout_s, and the process group's own timeout
 

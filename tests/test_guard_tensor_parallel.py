@@ -27,6 +27,8 @@ from floatguard.stability.clip import clip_grad_norm_
 
 from ._ranks import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 REL = 1e-6  # the guard's norms are float32 per tensor, summed in float64
 
 

@@ -10,12 +10,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from floatguard import Guard
 
 from ._ranks import run_ranks
+
+pytestmark = pytest.mark.ranks
 
 
 class _MLP(nn.Module):

@@ -8,11 +8,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from floatguard import Guard, read_events
 from tests._ranks import run_ranks
+
+pytestmark = pytest.mark.ranks
 
 
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:

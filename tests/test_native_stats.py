@@ -102,6 +102,7 @@ def test_thread_count_does_not_change_the_result() -> None:
 @pytest.mark.parametrize(
     "env", [{"FLOATGUARD_NATIVE": "0"}, {"CC": "false-compiler-that-is-missing"}]
 )
+@pytest.mark.subprocess
 def test_without_the_kernel_the_torch_path_answers(env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
     code = (
         "import torch\n"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from floatguard._event_schema import FIELD_TYPES, REQUIRED, STATS_TENSOR_TYPES
@@ -190,6 +191,7 @@ _SETTINGS = settings(
 )
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(streams())
 def test_any_valid_stream_renders_and_every_rule_runs(records: list[dict[str, Any]]) -> None:

@@ -338,6 +338,7 @@ _HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_a_guard_of_another_process_holds_the_folder_until_it_dies(tmp_path: Path) -> None:
     folder = tmp_path / "snaps"
     holder = subprocess.Popen(
@@ -391,6 +392,7 @@ _FORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_forked_children_neither_hold_nor_remove_the_parents_lock(tmp_path: Path) -> None:
     folder = tmp_path / "snaps"

@@ -24,6 +24,8 @@ from typer.testing import CliRunner
 from floatguard.cli import app
 from floatguard.events import read_events
 
+pytestmark = pytest.mark.subprocess
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_guard.py"
 STEPS = 8
 ARGS = ["--steps", str(STEPS), "--snapshot-every", "2"]

@@ -97,12 +97,25 @@ def replacing(target: str | os.PathLike[str]) -> Iterator[Path]:
     ``target`` is (a link: the link, not its target); a directory there raises
     IsADirectoryError with nothing changed."""
     dest = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=dest.suffix, dir=dest.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=dest.suffix, dir=dest.parent)
+    except OSError as e:  # a read-only or full folder: named by the file meant
+        raise _named(e, dest) from None
     os.close(fd)
     try:
         yield Path(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _named(e, dest) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _named(e: OSError, dest: Path) -> OSError:
+    """``e`` naming ``dest`` (the file a user knows), not the temp file beside it."""
+    if e.errno is None:
+        return e
+    return type(e)(e.errno, e.strerror or str(e), str(dest))

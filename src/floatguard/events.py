@@ -28,6 +28,7 @@ import errno
 import json
 import math
 import os
+import stat
 import time
 import warnings
 from collections import Counter, deque
@@ -191,9 +192,15 @@ class EventLog:
         self._listeners: list[Callable[[Event], None]] = []
         self.write_error: str | None = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            torn = _ends_torn(self.path)
-            self._fh = _open_log(self.path)  # closed in close()
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                torn = _ends_torn(self.path)
+                self._fh = _open_log(self.path)  # closed in close()
+            except OSError as e:
+                if e.errno not in _NO_WRITE:
+                    raise
+                self._cannot_write(e, "from the start", 2)
+                return
             if torn:
                 self._fh.write("\n")  # a crash left half a line: start on a fresh one
 
@@ -230,14 +237,22 @@ class EventLog:
                 os.fsync(self._fh.fileno())
                 self._unsynced, self._last_sync = 0, now
         except OSError as e:
-            warnings.warn(
-                f"floatguard: cannot write events to {self.path} ({e}); from now on they "
-                f"are kept in memory only (the last {self._ring.maxlen}); training goes on",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self.write_error = str(e)
-            self._drop_file()
+            self._cannot_write(e, "from now on", 4)
+
+    def _cannot_write(self, e: OSError, since: str, stacklevel: int) -> None:
+        why = (
+            "its reader is not reading: a FIFO that stays full would stop training"
+            if isinstance(e, BlockingIOError)
+            else str(e)
+        )
+        warnings.warn(
+            f"floatguard: cannot write events to {self.path} ({why}); {since} they "
+            f"are kept in memory only (the last {self._ring.maxlen}); training goes on",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+        self.write_error = str(e)
+        self._drop_file()
 
     def _drop_file(self) -> None:
         fh, self._fh = self._fh, None
@@ -262,10 +277,15 @@ class EventLog:
             self._drop_file()
 
 
+_NO_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+
+
 def _open_log(path: Path) -> IO[str]:
     """``path`` open for appending. The path is the user's: a link is followed, a device
-    (``/dev/null``) or a FIFO with a reader is written to; a FIFO with no reader (a
-    plain open would wait for one forever) and a directory are refused, naming it."""
+    (``/dev/null``) or a FIFO with a reader is written to (without blocking: a reader
+    that stops reading ends the file's writes, with a warning, not training); a FIFO
+    with no reader (a plain open would wait for one forever) and a directory are
+    refused, naming it."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
@@ -280,9 +300,9 @@ def _open_log(path: Path) -> IO[str]:
             f"log={str(path)!r} is a FIFO with no reader: writing would wait for one "
             "forever; start its reader first, or give a file"
         ) from None
-    if hasattr(os, "set_blocking"):
-        os.set_blocking(fd, True)  # a FIFO's reader may be slow: wait for it, never drop
-    return os.fdopen(fd, "a", encoding="utf-8")
+    if stat.S_ISREG(os.fstat(fd).st_mode) and hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)  # a FIFO stays non-blocking: a stalled reader cannot
+    return os.fdopen(fd, "a", encoding="utf-8")  # stop training (the writes stop instead)
 
 
 def _ends_torn(path: Path) -> bool:

@@ -206,6 +206,7 @@ def _ddp_trainer_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"totals": cb.totals, "params": params}
 
 
+@pytest.mark.ranks
 def test_trainer_under_ddp_decides_alike_on_every_rank(tmp_path: Path) -> None:
     """Two gloo ranks (the Trainer's own DDP): the NaN item lands in one rank's batch;
     both ranks skip that step, name that rank, and end with identical weights."""

@@ -107,6 +107,7 @@ def test_what_the_step_computed_in_is_recorded(runs: dict[str, sc.Outcome]) -> N
     assert tape_ops[-1] == "aten.log.default" and "aten.addmm.default" in tape_ops
 
 
+@pytest.mark.subprocess
 def test_every_bundle_reproduces_in_a_fresh_process(runs: dict[str, sc.Outcome]) -> None:
     names = [*sorted(FAULTS), "spike", "transient"]
     paths = [str(runs[n].bundles[0]) for n in names]
@@ -157,6 +158,7 @@ def test_floatguard_repro_prints_the_outcome(
     assert "reproduced" in text and "aten.log.default" in text
 
 
+@pytest.mark.subprocess
 def test_scripts_re_raise_the_fault_without_floatguard(
     runs: dict[str, sc.Outcome], tmp_path: Path
 ) -> None:
@@ -335,6 +337,7 @@ def test_the_report_links_each_bundle(runs: dict[str, sc.Outcome], tmp_path: Pat
     assert f"floatguard repro {run.bundles[0]}" in page
 
 
+@pytest.mark.subprocess
 def test_torch_modules_are_rebuilt_by_their_class(tmp_path: Path) -> None:
     """A Linear without bias (a None parameter) and a MultiheadAttention (private plain
     attributes) come back from their import paths, and the script re-raises by them."""
@@ -411,6 +414,28 @@ def test_script_and_device_mistakes_are_one_line(
         "script": str(tmp_path / "r.py"),
         "tensors": str(tmp_path / "r.pt"),
     }
+
+
+def test_the_script_never_writes_through_a_link(
+    runs: dict[str, sc.Outcome], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39: repro.py and repro.pt (a name the user did not type) as links to a
+    user's files: the links are replaced by the outputs, the files stay as they were."""
+    path = str(runs["forward_op"].bundles[0])
+    victims = {}
+    for name in ("repro.py", "repro.pt"):
+        victim = tmp_path / f"notes-{name}.txt"
+        victim.write_bytes(b"a user's file\n" * 50)
+        (tmp_path / name).symlink_to(victim)
+        victims[name] = victim
+    with pytest.raises(SystemExit) as info:
+        cli.main(["repro", path, "--script", str(tmp_path / "repro.py")])
+    capsys.readouterr()
+    assert info.value.code in (0, 1)
+    for name, victim in victims.items():
+        assert victim.read_bytes() == b"a user's file\n" * 50
+        assert not (tmp_path / name).is_symlink() and (tmp_path / name).stat().st_size > 0
+    assert "torch.load" in (tmp_path / "repro.py").read_text()
 
 
 def test_a_mask_made_before_the_birth_is_not_a_birth() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +15,8 @@ from floatguard import Guard, ResponsePolicy
 from floatguard.repro import load_bundle, reproduce
 from tests._ranks import run_ranks
 from tests.repro._scenarios import TwoBlocks
+
+pytestmark = pytest.mark.ranks
 
 
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:

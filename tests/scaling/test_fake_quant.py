@@ -85,6 +85,7 @@ def test_bad_emulate_arguments() -> None:
         emulate(nn.Linear(2, 2), EmulationRecipe.mxfp8(), modules=(nn.Conv3d,))
 
 
+@pytest.mark.slow
 def test_tiny_gpt_trains_under_mxfp8_within_3_percent() -> None:
     """The MXFP8 preset (E8M0 scales rounded up, TE's choice) on the same 300 steps."""
     ref = train_tiny(None, steps=300)
@@ -92,6 +93,7 @@ def test_tiny_gpt_trains_under_mxfp8_within_3_percent() -> None:
     assert abs(emu - ref) <= 0.03 * ref, (emu, ref)
 
 
+@pytest.mark.slow
 def test_tiny_gpt_trains_under_hybrid_block_scaling() -> None:
     """300 steps on CPU: the held-out loss under emulated HYBRID block scaling (TE's
     Float8BlockScaling, with its 128-token column-wise copies for wgrad) is within 4% of

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 TRAIN = textwrap.dedent(
@@ -140,6 +142,17 @@ EVENT_LOG = textwrap.dedent(
             out[name] = "ok"
         except OSError as e:
             out[name] = f"{type(e).__name__}: {e}"
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that never reads
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log = EventLog(fifo)
+        for i in range(5000):  # far past a pipe's buffer
+            log.emit("snapshot", i, where="memory", freed=None)
+        log.close()
+    out["stalled"] = [str(w.message) for w in caught]
+    out["kept"] = len(log.events)
+    os.close(reader)
     log = EventLog(os.devnull)  # a device the user named: written to
     log.emit("snapshot", 0, where="memory", freed=None)
     log.close()
@@ -163,3 +176,5 @@ def test_the_event_log_never_waits_on_a_fifo(tmp_path: Path) -> None:
     assert out["read"].startswith("NotRegularFile") and "is a FIFO" in out["read"]
     assert out["dir"].startswith("IsADirectoryError") and "events.jsonl" in out["dir"]
     assert out["devnull"] is None
+    (stalled,) = out["stalled"]  # the writes stop, training does not
+    assert "its reader is not reading" in stalled and out["kept"] == 5000

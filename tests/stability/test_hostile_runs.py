@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import floatguard
-from floatguard.stability.snapshot_folder import read_run_id
+from floatguard.stability.snapshot_folder import SnapshotFolderBusy, read_run_id
 
 
 def _run(folder: Path, steps: int, seed: int, log: Path) -> nn.Module:
@@ -200,6 +200,7 @@ def test_a_read_only_folder_resumes_without_its_lock(
     _read_only_resume(folder, tmp_path)
 
 
+@pytest.mark.subprocess
 def test_a_read_only_bind_mount_resumes(tmp_path: Path) -> None:
     """Item 6 on a real read-only mount (root only: a read-only bind of the folder)."""
     folder, mount = tmp_path / "snaps", tmp_path / "archive"
@@ -216,3 +217,114 @@ def test_a_read_only_bind_mount_resumes(tmp_path: Path) -> None:
         _read_only_resume(mount, tmp_path)
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_lock_removed_while_held_is_taken_again_and_a_second_guard_found(
+    tmp_path: Path,
+) -> None:
+    """The lock file of a running guard deleted by hand: a second guard can lock the
+    folder anew, but the first finds its lock gone at its next snapshot write and
+    meets the second there (SnapshotFolderBusy), instead of both writing."""
+    folder = tmp_path / "snaps"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    policy = floatguard.ResponsePolicy(snapshot_dir=folder, snapshot_every=2)
+    first = floatguard.Guard(model, opt, log=tmp_path / "a.jsonl", response=policy)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for _ in range(3):
+        first.step(lambda: nn.functional.mse_loss(model(x), y))
+    (folder / "floatguard.lock").unlink()  # a cleaner of "stale" files
+    other = floatguard.Guard(model, opt, log=tmp_path / "b.jsonl", response=policy)
+    other.resume()  # takes a new lock: the first guard is not told yet
+    with (
+        pytest.raises(SnapshotFolderBusy),
+        pytest.warns(RuntimeWarning, match="removed or replaced while this guard held it"),
+    ):
+        for _ in range(3):
+            first.step(lambda: nn.functional.mse_loss(model(x), y))
+    other.close()
+    first.close()
+    (warning,) = [w for w in _events(tmp_path / "a.jsonl", "warning") if w["code"] == "lock_lost"]
+    assert "snapshot_dir" in str(warning["message"])
+
+
+def test_a_lock_removed_while_held_alone_is_taken_again(tmp_path: Path) -> None:
+    folder = tmp_path / "snaps"
+    log = tmp_path / "a.jsonl"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    policy = floatguard.ResponsePolicy(snapshot_dir=folder, snapshot_every=2)
+    g = floatguard.Guard(model, opt, log=log, response=policy)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    g.step(lambda: nn.functional.mse_loss(model(x), y))
+    (folder / "floatguard.lock").unlink()
+    with pytest.warns(RuntimeWarning, match="taken again"):
+        for _ in range(4):
+            g.step(lambda: nn.functional.mse_loss(model(x), y))
+    assert (folder / "floatguard.lock").exists()  # held again
+    g.close()
+    assert not _events(log, "snapshot_error")
+    assert [e["step"] for e in _events(log, "snapshot") if e["where"] != "memory"] == [0, 2, 4]
+
+
+def test_a_directory_named_like_the_identity_file_does_not_stop_snapshots(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "snaps"
+    (folder / "floatguard-run.json").mkdir(parents=True)
+    log = tmp_path / "run.jsonl"
+    with pytest.warns(RuntimeWarning, match="cannot write"):
+        _run(folder, 11, 0, log)
+    assert not _events(log, "snapshot_error")
+    (warning,) = [w for w in _events(log, "warning") if w["code"] == "identity_unwritable"]
+    assert "floatguard-run.json" in str(warning["message"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, step = _resume(folder, tmp_path / "resume.jsonl")
+    assert step == 10
+
+
+def test_a_full_disk_frees_room_when_the_step_resumed_from_is_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a resume the first snapshot rewrites the step resumed from: with room for
+    two files, the older one goes (never the one being replaced, the resume point)."""
+    from floatguard.stability import snapshot as snapshot_module
+
+    folder = tmp_path / "snaps"
+
+    def guard(log: Path) -> tuple[floatguard.Guard, nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        policy = floatguard.ResponsePolicy(snapshot_dir=folder, snapshot_every=2)
+        return floatguard.Guard(model, opt, log=log, response=policy), model
+
+    g, model = guard(tmp_path / "run.jsonl")
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for _ in range(9):
+        g.step(lambda: nn.functional.mse_loss(model(x), y))
+    g.close()
+    assert sorted(p.name for p in folder.glob("snapshot-*.fgs")) == [
+        "snapshot-000000006.fgs", "snapshot-000000008.fgs",
+    ]  # fmt: skip
+    save = snapshot_module.Snapshot.save
+
+    def small_disk(self: snapshot_module.Snapshot, path: str | Path) -> Path:
+        if len(list(Path(path).parent.glob("snapshot-*.fgs"))) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(self, path)
+
+    monkeypatch.setattr(snapshot_module.Snapshot, "save", small_disk)
+    log = tmp_path / "resume.jsonl"
+    g, model = guard(log)
+    assert g.resume() == 8
+    for _ in range(2):
+        g.step(lambda: nn.functional.mse_loss(model(x), y))
+    g.close()
+    assert not _events(log, "snapshot_error")
+    written = [(e["step"], Path(str(e["freed"])).name if e["freed"] else None)
+               for e in _events(log, "snapshot") if e["where"] != "memory"]  # fmt: skip
+    assert written[0] == (8, "snapshot-000000006.fgs"), written

@@ -22,6 +22,8 @@ from floatguard import Snapshot, SnapshotError, SnapshotStore, load_snapshot
 from floatguard.stability._process import writer_tag
 from floatguard.stability.snapshot import ForeignSnapshotError, read_identity, step_of
 
+pytestmark = pytest.mark.subprocess
+
 RUN_A, RUN_B = "a" * 32, "b" * 32
 
 

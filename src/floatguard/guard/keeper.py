@@ -76,6 +76,7 @@ class SnapshotKeeper:
         self.vouched_step: int | None = None  # the step whose vetting last found it good
         self.run_id = new_run_id()
         self._notes: list[tuple[str, str]] = []  # said once a resume has chosen its snapshot
+        self._identity_warned = False
         self.home = Path(policy.snapshot_dir) if policy.snapshot_dir is not None else None
         self.store = (
             SnapshotStore(self.home, policy.snapshot_keep, run_id=self.run_id)
@@ -227,6 +228,7 @@ class SnapshotKeeper:
         store = self.store
         assert store is not None
         try:
+            self._check_lock(step)
             self._claim()
             self._own_folder(step, store)
             path = str(store.save(snap))
@@ -291,6 +293,26 @@ class SnapshotKeeper:
             if self.store is not None:
                 self.store.exclusive = True
 
+    def _check_lock(self, step: int) -> None:
+        """Before a write: the folder's lock file must still be the one this guard holds.
+        One removed or replaced while held is taken again (a warning and an event), so a
+        second guard that took the folder meanwhile is found here (SnapshotFolderBusy),
+        not after both have pruned each other's snapshots."""
+        if self.lock is None or self.lock.intact():
+            return
+        folder = self.lock.folder
+        self.lock.release()
+        self.lock = None
+        if not folder.is_dir():
+            return  # the folder itself is gone: the write says so (snapshot_error)
+        message = (
+            f"the lock file of snapshot_dir {folder} was removed or replaced while this "
+            "guard held it (by hand, or a cleaner of old files); taken again. Another "
+            "guard may have written there meanwhile: give each run its own snapshot_dir"
+        )
+        warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=4)
+        self.events.warning(step, message, code="lock_lost")
+
     def _own_folder(self, step: int, store: SnapshotStore) -> None:
         """Make the folder this run's before writing there; a guard that did not resume
         a folder holding another run's snapshots takes it over, warned."""
@@ -309,7 +331,20 @@ class SnapshotKeeper:
             )
             warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=2)
             self.events.warning(step, message, 0)
-        write_run_id(store.folder, self.run_id)
+        try:
+            write_run_id(store.folder, self.run_id)
+        except OSError as e:  # a directory by that name: the snapshots still carry the run
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise  # the snapshot cannot be written either: the write's own error
+            if not self._identity_warned:
+                self._identity_warned = True
+                message = (
+                    f"cannot write {store.folder}/floatguard-run.json ({e.strerror or e}); "
+                    "snapshots are written without it (each one's header names the run, "
+                    "which is what resume() then goes by): remove what is in its place"
+                )
+                warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=2)
+                self.events.warning(step, message, code="identity_unwritable")
 
     def close(self) -> None:
         """Let go of the snapshot folder's lock (taken again at the next write)."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from floatguard._safe_io import replacing
 from floatguard.repro._ops import _DTYPES, _FORMATS, _LAYOUTS, op_named
 from floatguard.repro.bundle import ReproBundle, ReproError
 
@@ -317,13 +318,15 @@ def _class_step_missing(module: dict[str, Any], fault: dict[str, Any]) -> str | 
 def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write ``bundle`` as a standalone script at ``path`` and its tensors beside it
     (``path`` with the suffix ``.pt``); the two paths. :class:`ReproError` when the
-    bundle holds nothing a script can re-run."""
+    bundle holds nothing a script can re-run, or a directory, FIFO or device is at one
+    of the two names. Each is written to a temp file and renamed over its name: a link
+    there is replaced, never written through."""
     script = Path(path)
     if not script.name or script.name in (".", ".."):
         raise ReproError(f"--script {str(path)!r}: name the script file (repro.py)")
     data = script.with_suffix(".pt")
-    for target in (script, data):
-        if target.exists() and not target.is_file():
+    for target in (script, data):  # (a link there is replaced below, never written through)
+        if not target.is_symlink() and target.exists() and not target.is_file():
             raise ReproError(f"--script {path}: {target} exists and is not a regular file")
     p = bundle.payload
     fault = bundle.fault or {}
@@ -446,8 +449,10 @@ def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Pat
     script.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()  # (torch.save into a path it cannot open is a RuntimeError)
     torch.save({k: v.detach().clone() for k, v in tensors.items()}, buf)
-    data.write_bytes(buf.getvalue())
-    script.write_text(text)
+    with replacing(data) as tmp:  # a temp file renamed over: a link is replaced
+        tmp.write_bytes(buf.getvalue())
+    with replacing(script) as tmp:
+        tmp.write_text(text)
     return script, data
 
 

@@ -665,16 +665,16 @@ class SnapshotStore:
         """The file to remove when a save finds the disk full: the run's oldest
         snapshot, never its newest one that verifies (the resume point), nor the file
         being written. None when there is no such file."""
-        own = [p for p in self.own() if step_of(p.name) != step]
+        own = self.own()
         newest_good = None
-        for p in own:
+        for p in own:  # (the file being replaced counts: it may be the resume point)
             try:
                 verified(p, _read_file(p))
             except (SnapshotError, OSError):
                 continue
             newest_good = p
             break
-        spare = [p for p in own if p != newest_good]
+        spare = [p for p in own if p != newest_good and step_of(p.name) != step]
         return spare[-1] if spare else None
 
     def load_latest(

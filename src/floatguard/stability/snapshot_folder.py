@@ -115,6 +115,7 @@ class FolderLock:
         self.path = folder / LOCK_FILE
         self._fd = fd
         self._key = str(folder.resolve())
+        self._inode = inode
         self._finalizer = weakref.finalize(self, _release, fd, self.path, inode)
         _HELD[self._key] = weakref.ref(self)
 
@@ -157,6 +158,16 @@ class FolderLock:
     @property
     def held(self) -> bool:
         return self._finalizer.alive
+
+    def intact(self) -> bool:
+        """Whether the lock file's name still names the file this lock holds. Removed or
+        replaced (by hand, or by a cleaner), another guard could take a new lock on the
+        folder while this one still writes there."""
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return self.held and (st.st_dev, st.st_ino) == self._inode
 
     def release(self) -> None:
         """Let go of the folder (removes the lock file). Idempotent."""
@@ -302,13 +313,26 @@ def read_run_id(folder: str | os.PathLike[str]) -> str | None:
             return run
     except (ValueError, KeyError, TypeError):
         pass
-    warnings.warn(
-        f"floatguard: {path} is unreadable; a resume tells the run from the snapshots' "
-        "headers (the next snapshot written there rewrites it)",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+    if _warned_once(f"unreadable {path.resolve()}"):
+        warnings.warn(
+            f"floatguard: {path} is unreadable; a resume tells the run from the "
+            "snapshots' headers (the next snapshot written there rewrites it)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return None
+
+
+_SAID: set[str] = set()
+
+
+def _warned_once(key: str) -> bool:
+    """True the first time ``key`` is seen in this process (a warning said once, not at
+    every read of the same file)."""
+    if key in _SAID:
+        return False
+    _SAID.add(key)
+    return True
 
 
 def write_run_id(folder: str | os.PathLike[str], run_id: str) -> None:
