@@ -3,15 +3,25 @@
 The public API is what ``__all__`` lists; everything else is private.
 """
 
+from floatguard._safe_io import NotRegularFile
 from floatguard.audit import AuditReport, audit
-from floatguard.distributed import GuardDesync, PeerFailed
+from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
+from floatguard.errors import FloatguardError
 from floatguard.events import Event, EventLog, read_events
 from floatguard.formats import FORMATS, Explanation, Format, explain, quantize
 from floatguard.formats.codec import decode, encode
 from floatguard.guard import Guard, StepResult
 from floatguard.monitor import Alert, Fault, Monitor, ReplayResult, replay
 from floatguard.ops import GradcheckReport, LogSumExp, Moments, gradcheck
-from floatguard.scaling import DynamicLossScaler, EmulationRecipe, MasterWeights, emulate, restore
+from floatguard.repro import ReproError
+from floatguard.scaling import (
+    DynamicLossScaler,
+    EmulationRecipe,
+    MasterWeights,
+    NothingToEmulate,
+    emulate,
+    restore,
+)
 from floatguard.stability import (
     ClipPolicy,
     GuardStopped,
@@ -32,61 +42,77 @@ from floatguard.stability import (
     clip_grad_value_,
     load_snapshot,
 )
+from floatguard.stability.snapshot import ForeignSnapshotError
+from floatguard.stability.snapshot_folder import SnapshotFolderBusy
 from floatguard.stats import TensorStats, audit_tensor_numerics, tensor_stats
 
 __version__ = "0.1.0"
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by what a user does, sorted within a group)
+    # know your numbers
     "FORMATS",
+    "Explanation",
+    "Format",
+    "decode",
+    "encode",
+    "explain",
+    "quantize",
+    # compute safely
+    "GradcheckReport",
+    "LogSumExp",
+    "Moments",
+    "gradcheck",
+    # see and localize
     "Alert",
-    "AuditReport",
+    "Fault",
+    "Monitor",
+    "ReplayResult",
+    "TensorStats",
+    "audit_tensor_numerics",
+    "replay",
+    "tensor_stats",
+    # prevent and recover
     "ClipPolicy",
     "DynamicLossScaler",
-    "EmulationRecipe",
-    "Event",
-    "EventLog",
-    "Explanation",
-    "Fault",
-    "Format",
-    "GradcheckReport",
     "Guard",
-    "GuardDesync",
-    "GuardStopped",
-    "LogSumExp",
     "LossSpikeHandler",
     "MasterWeights",
-    "Moments",
-    "Monitor",
-    "PeerFailed",
-    "ReplayResult",
     "ResponsePolicy",
     "RobustSpikeDetector",
     "Snapshot",
-    "SnapshotError",
     "SnapshotStore",
     "SpikePolicy",
     "StepResult",
-    "TensorStats",
     "TrendAlarm",
     "TrendPolicy",
     "TrendWatch",
     "WindowedZClip",
     "ZClip",
     "ZClipConfig",
-    "__version__",
-    "audit",
-    "audit_tensor_numerics",
     "clip_grad_norm_",
     "clip_grad_value_",
-    "decode",
-    "emulate",
-    "encode",
-    "explain",
-    "gradcheck",
     "load_snapshot",
-    "quantize",
-    "read_events",
-    "replay",
+    # emulate low precision
+    "AuditReport",
+    "EmulationRecipe",
+    "audit",
+    "emulate",
     "restore",
-    "tensor_stats",
+    # understand
+    "Event",
+    "EventLog",
+    "read_events",
+    # errors (floatguard.errors: each also the builtin it stands for)
+    "DistributedStop",
+    "FloatguardError",
+    "ForeignSnapshotError",
+    "GuardDesync",
+    "GuardStopped",
+    "NotRegularFile",
+    "NothingToEmulate",
+    "PeerFailed",
+    "ReproError",
+    "SnapshotError",
+    "SnapshotFolderBusy",
+    "__version__",
 ]

@@ -24,12 +24,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from floatguard.errors import FloatguardError
+
 __all__ = ["NotRegularFile", "file_kind", "open_regular", "read_regular", "replacing"]
 
 _CHUNK = 1 << 24
 
 
-class NotRegularFile(OSError):
+class NotRegularFile(FloatguardError, OSError):
     """A path that names a FIFO, a device, a directory or a socket where a file was
     expected."""
 

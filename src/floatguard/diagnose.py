@@ -339,8 +339,8 @@ def _pair(v: object) -> tuple[float, float] | None:
     return None
 
 
-Rule = Callable[[RunLog], list[Finding]]
-_RULES: list[Rule] = []
+RuleCheck = Callable[[RunLog], list[Finding]]
+_RULES: list[RuleCheck] = []
 # Each rule's finding ids (a rule may tell several situations apart, each its own id);
 # docs/report.md's table lists exactly these (tests/test_diagnose.py checks it).
 RULE_IDS: dict[str, tuple[str, ...]] = {}
@@ -348,10 +348,10 @@ RULE_IDS: dict[str, tuple[str, ...]] = {}
 OWN_IDS = ("rule_failed", "unreadable_events")
 
 
-def _rule(*ids: str) -> Callable[[Rule], Rule]:
+def _rule(*ids: str) -> Callable[[RuleCheck], RuleCheck]:
     """Register a rule with the finding ids it may return."""
 
-    def register(fn: Rule) -> Rule:
+    def register(fn: RuleCheck) -> RuleCheck:
         _RULES.append(fn)
         RULE_IDS[fn.__name__] = ids
         return fn

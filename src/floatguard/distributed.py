@@ -27,10 +27,12 @@ import hashlib
 import re
 from typing import Any
 
+from floatguard.errors import FloatguardError
+
 __all__ = ["DistributedStop", "GuardDesync", "PeerFailed", "config_fingerprint"]
 
 
-class DistributedStop(RuntimeError):
+class DistributedStop(FloatguardError, RuntimeError):
     """A distributed stop: ``ranks`` the ranks it names (the one that failed, finished,
     exited or differs), ``step`` the guard step it happened at."""
 

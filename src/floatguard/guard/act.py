@@ -12,7 +12,7 @@ import torch
 
 from floatguard.guard import policy
 from floatguard.guard.emit import GuardEvents
-from floatguard.guard.judge import Verdict
+from floatguard.guard.judge import StepVerdict
 from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.stall import StallWatch
@@ -66,7 +66,7 @@ class Actor:
         self,
         step: int,
         read: StepRead,
-        verdict: Verdict,
+        verdict: StepVerdict,
         snapshot: Snapshotter,
         batch: dict[str, Any] | None = None,
     ) -> tuple[Action, policy.LadderState]:
@@ -106,7 +106,7 @@ class Actor:
         return action, decision.state
 
     def _apply(
-        self, step: int, read: StepRead, verdict: Verdict, snapshot: Snapshotter
+        self, step: int, read: StepRead, verdict: StepVerdict, snapshot: Snapshotter
     ) -> policy.LadderState:
         """Apply the step whole, or leave no trace of it: the scheduler is stepped first
         (its new hyper-parameters held back until the update ran: a scheduler that

@@ -32,7 +32,7 @@ from floatguard.guard.act import Actor
 from floatguard.guard.batch_id import BatchInputs
 from floatguard.guard.channel import ReadChannel
 from floatguard.guard.emit import GuardEvents
-from floatguard.guard.judge import Judge, Verdict
+from floatguard.guard.judge import Judge, StepVerdict
 from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.locate import Locator, named_root
 from floatguard.guard.peers import Peers
@@ -462,7 +462,7 @@ class Guard(GuardPersistence):
 
     # ----------------------------------------------------------------- act
     def _act(
-        self, step: int, read: StepRead, verdict: Verdict, closures: Sequence[Closure] = ()
+        self, step: int, read: StepRead, verdict: StepVerdict, closures: Sequence[Closure] = ()
     ) -> StepResult:
         scale = self._scaler.get_scale()
         lr = self._lr(verdict.decision.state.lr_factor)  # what the update uses
@@ -507,7 +507,7 @@ class Guard(GuardPersistence):
         return result
 
     def _write_repro(
-        self, step: int, read: StepRead, verdict: Verdict, closures: Sequence[Closure]
+        self, step: int, read: StepRead, verdict: StepVerdict, closures: Sequence[Closure]
     ) -> None:
         """Write the repro bundle of a bad step (its fault born on this rank, or at the
         "step" level its spike): a ``repro`` event, or a ``warning`` (``repro_error``)

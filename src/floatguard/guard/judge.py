@@ -19,13 +19,13 @@ from floatguard.stability.clip import Clipper
 from floatguard.stability.respond import ResponsePolicy
 from floatguard.stability.spike_watch import SpikeWatch
 
-__all__ = ["Judge", "Verdict"]
+__all__ = ["Judge", "StepVerdict"]
 
 Magnitudes = tuple[list[StateTensor], list[float]]
 
 
 @dataclass(frozen=True)
-class Verdict:
+class StepVerdict:
     """A step's decision with what it was taken on."""
 
     decision: policy.Decision
@@ -41,7 +41,7 @@ class Verdict:
 
 
 class Judge:
-    """Turns a step's read into a :class:`Verdict`: the signal (clean, fp16 overflow,
+    """Turns a step's read into a :class:`StepVerdict`: the signal (clean, fp16 overflow,
     non-finite, spike), on a non-finite step the fault (parameters and optimizer state,
     then the replay, agreed over the ranks), on a spike whether its replay spikes
     too, on a snapshot step the vetting of the state; then :func:`policy.decide`."""
@@ -77,7 +77,7 @@ class Judge:
         magnitudes: Magnitudes,
         ladder: policy.LadderState,
         after_update: bool,
-    ) -> Verdict:
+    ) -> StepVerdict:
         """The evidence, then the decision; a step to be applied on a snapshot step has
         its state vetted first (``magnitudes`` came with the step's read)."""
         self.local = None
@@ -114,7 +114,7 @@ class Judge:
                     dataclasses.replace(evidence, fault=fault), ladder, self.response
                 )
         also = tuple(self.channel.others) if fault is not None else ()
-        return Verdict(decision, fault, clip, amax, spike, value, reproduced, also)
+        return StepVerdict(decision, fault, clip, amax, spike, value, reproduced, also)
 
     def localize(
         self, step: int, read: StepRead, closures: Sequence[Closure], after_update: bool

@@ -42,7 +42,7 @@ from floatguard.distributed import GuardDesync
 __all__ = [
     "BITS",
     "HEAD",
-    "Agreed",
+    "Unpacked",
     "bad_ranks_of",
     "desync_error",
     "differing",
@@ -115,7 +115,7 @@ def differing(
 
 
 @dataclass(frozen=True)
-class Agreed:
+class Unpacked:
     """What the packed read says, the same on every rank; ``differs``: what the ranks do
     not share (see :func:`differing`; the channel names the ranks)."""
 
@@ -155,13 +155,13 @@ def bad_ranks_of(bits: float, world: int, named: int) -> tuple[int, ...]:
     return tuple(r for r in range(min(world, named)) if b >> r & 1)
 
 
-def unpack(values: Sequence[float], world: int, mine: Sequence[float]) -> Agreed:
+def unpack(values: Sequence[float], world: int, mine: Sequence[float]) -> Unpacked:
     """The agreed numbers from the all-reduced read (:func:`pack`'s layout, summed);
     ``mine``: this rank's slots (:func:`encode`, float64), for the step check."""
     n = float(world)
     differs = differing(values[HEAD:], mine, world, 53)
     norm_sq = values[1] + values[2] / n
-    return Agreed(
+    return Unpacked(
         found=not values[0] == 0.0,  # NaN counts as found
         grad_norm=math.sqrt(norm_sq) if norm_sq >= 0 or math.isnan(norm_sq) else math.nan,
         loss=values[3] / n,

@@ -11,12 +11,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["GradcheckEntry", "GradcheckReport", "Verdict", "gradcheck"]
+__all__ = ["GradcheckEntry", "GradcheckReport", "Grade", "gradcheck"]
 
-Verdict = Literal["perfect", "acceptable", "questionable", "suspicious", "wrong"]
+Grade = Literal["perfect", "acceptable", "questionable", "suspicious", "wrong"]
 
 
-def verdict_for(rel_error: float) -> Verdict:
+def verdict_for(rel_error: float) -> Grade:
     """The lessons' rules of thumb: < 1e-7 perfect, < 1e-5 acceptable, > 1e-3 suspicious,
     > 1 wrong; in between (1e-5 .. 1e-3) is "questionable"."""
     if math.isnan(rel_error) or rel_error > 1.0:
@@ -41,7 +41,7 @@ class GradcheckEntry:
     worst_index: tuple[int, ...] | None
     analytic: float
     numeric: float
-    verdict: Verdict
+    verdict: Grade
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from floatguard.errors import FloatguardError
+
 __all__ = [
     "Unwritable",
     "assign",
@@ -51,7 +53,7 @@ _DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|meta|hpu|npu)(:\d{1,4})?$")
 _MARKERS = frozenset({"t", "tuple", "dtype", "device", "layout", "memory_format"})
 
 
-class Unwritable(ValueError):
+class Unwritable(FloatguardError, ValueError):
     """An argument a tape cannot write as plain values (see the module)."""
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from floatguard._safe_io import NotRegularFile, read_regular
+from floatguard.errors import FloatguardError
 from floatguard.repro._ops import assign, decode, finite_level, op_named
 
 __all__ = ["ReproBundle", "ReproError", "ReproOutcome", "load_bundle", "reproduce", "save_bundle"]
@@ -56,7 +57,7 @@ _ALLOWED = (type(None), bool, int, float, str)
 _MAX_DEPTH = 64
 
 
-class ReproError(ValueError):
+class ReproError(FloatguardError, ValueError):
     """A repro bundle that cannot be trusted or read: not a bundle, truncated,
     corrupted, not a regular file, or holding something a bundle never holds."""
 

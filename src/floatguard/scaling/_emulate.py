@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from floatguard.errors import FloatguardError
 from floatguard.scaling._gemm import _emulated_gemm
 from floatguard.scaling.emulation_recipe import EmulationRecipe
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["Coverage", "NothingToEmulate", "emulate", "is_emulated", "restore"]
 
 
-class NothingToEmulate(ValueError):
+class NothingToEmulate(FloatguardError, ValueError):
     """:func:`emulate` would swap nothing (no covered layer, every one skipped, or the model
     is itself a layer, which cannot be swapped in place); the message says why."""
 

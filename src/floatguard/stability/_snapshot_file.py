@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from floatguard._safe_io import read_regular
+from floatguard.errors import FloatguardError
 
 __all__ = [
     "TEMP_NAME",
@@ -43,7 +44,7 @@ _NAME = re.compile(r"^snapshot-(\d{9,})\.fgs$")  # 9 digits, more from step 10**
 TEMP_NAME = re.compile(r"^\.snapshot-\d+\.fgs\.([0-9a-f]{8}-\d+-\d+)\.[^.]*\.tmp$")
 
 
-class SnapshotError(ValueError):
+class SnapshotError(FloatguardError, ValueError):
     """A snapshot file that cannot be trusted: corrupted, truncated, misnamed, written
     by another run, or not a snapshot; or a snapshot that does not fit what it would be
     loaded into."""

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from floatguard.errors import FloatguardError
 from floatguard.stability.clip import ZClipConfig
 
 __all__ = ["ClipPolicy", "GuardStopped", "ResponsePolicy", "SpikePolicy"]
@@ -19,7 +20,7 @@ SnapshotPlace = Literal["auto", "host", "device"]
 ReproLevel = Literal["minimal", "step"]
 
 
-class GuardStopped(RuntimeError):
+class GuardStopped(FloatguardError, RuntimeError):
     """Raised when the guard stops the run: ``report`` holds the step, the stop's
     ``reason`` (a :data:`~floatguard.causes.StopReason`), the ``cause``, the rollbacks,
     the number of events written and the fault as text; ``fault`` is the fault itself
