@@ -4,6 +4,7 @@ The public API is what ``__all__`` lists; everything else is private.
 """
 
 from floatguard._safe_io import NotRegularFile
+from floatguard._version import __version__
 from floatguard.audit import AuditReport, audit
 from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
 from floatguard.errors import FloatguardError
@@ -45,8 +46,6 @@ from floatguard.stability import (
 from floatguard.stability.snapshot import ForeignSnapshotError
 from floatguard.stability.snapshot_folder import SnapshotFolderBusy
 from floatguard.stats import TensorStats, audit_tensor_numerics, tensor_stats
-
-__version__ = "0.1.0"
 
 __all__ = [  # noqa: RUF022 (grouped by what a user does, sorted within a group)
     # know your numbers

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from floatguard._values import values_of
+from floatguard.batch_loss import batch_loss, check_loss_fn
 from floatguard.formats.registry import get
 from floatguard.formats.rounding import quantize
 from floatguard.scaling.emulation_recipe import EmulationRecipe
@@ -109,70 +110,6 @@ def _is_gemm(m: nn.Module, modules: tuple[type[nn.Module], ...] | None) -> bool:
     if modules is not None:
         return isinstance(m, modules)
     return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
-
-
-def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The model's own loss when it returns one (a Hugging Face ``ModelOutput`` with
-    ``.loss``), else the mean of its logits or output. A dict batch is passed as
-    keyword arguments."""
-    out = model(**batch) if isinstance(batch, dict) else model(batch)
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        found: torch.Tensor = out["loss"]
-        return found
-    logits = getattr(out, "logits", None)
-    if logits is None and isinstance(out, dict):
-        logits = out.get("logits")
-    if isinstance(logits, torch.Tensor):
-        return logits.float().mean()
-    if isinstance(out, torch.Tensor):
-        return out.float().mean()
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0].float().mean()
-    raise TypeError(
-        f"audit: cannot make a loss from the model's output ({type(out).__name__}); "
-        "pass loss_fn=lambda model, batch: ..."
-    )
-
-
-_WRAP = "loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])"
-
-
-def _check_loss_fn(loss_fn: object) -> None:
-    """A torch loss module is a criterion(output, target), not a loss_fn(model, batch)."""
-    if isinstance(loss_fn, nn.modules.loss._Loss):
-        raise TypeError(
-            f"audit: loss_fn={type(loss_fn).__name__}() is a criterion(output, target); "
-            f"audit calls loss_fn(model, batch): pass {_WRAP}"
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"audit: loss_fn must be callable as loss_fn(model, batch), got {loss_fn!r}"
-        )
-
-
-def _batch_loss(
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None, model: nn.Module, batch: Any
-) -> torch.Tensor:
-    """``loss_fn(model, batch)`` (or the default loss), checked to be a tensor; a TypeError
-    it raises says how audit calls it (a criterion passed as is fails that way)."""
-    if loss_fn is None:
-        return _default_loss(model, batch)
-    try:
-        loss = loss_fn(model, batch)
-    except TypeError as e:
-        raise TypeError(
-            f"audit: loss_fn(model, batch) raised TypeError: {e} (audit calls loss_fn with "
-            f"the model and one element of batches; for a criterion(output, target) pass {_WRAP})"
-        ) from e
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"audit: loss_fn(model, batch) returned {type(loss).__name__}; it must return the "
-            "loss as a scalar tensor"
-        )
-    return loss
 
 
 def _pct(x: float) -> str:
@@ -418,7 +355,7 @@ def audit(
     count, 0% emulated; one already emulated is measured as it is. None (the default):
     not measured, ``coverage`` is None.
     """
-    _check_loss_fn(loss_fn)
+    check_loss_fn(loss_fn)
     fmts = tuple(get(f).name for f in formats)
     recs = (
         dict(recipes)
@@ -478,7 +415,7 @@ def audit(
     loss_fp16, loss_amax = False, 0.0
     try:
         for batch in batches:
-            loss = _batch_loss(loss_fn, model, batch)
+            loss = batch_loss(loss_fn, model, batch)
             loss_fp16 |= loss.dtype == torch.float16
             loss_amax = max(loss_amax, float(loss.detach().abs().max()))  # a host read
             loss.backward()  # type: ignore[no-untyped-call]

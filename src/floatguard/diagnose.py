@@ -39,9 +39,9 @@ from floatguard._event_schema import finite as _finite
 from floatguard.causes import describe
 from floatguard.events import Event
 from floatguard.runlog import RunLog, Steps, global_view
-from floatguard.stability import _episodes as episodes
-from floatguard.stability._episodes import GAP as EPISODE_GAP
-from floatguard.stability._episodes import SETTLE, classify_spikes
+from floatguard.stability import episodes
+from floatguard.stability.episodes import GAP as EPISODE_GAP
+from floatguard.stability.episodes import SETTLE, classify_spikes
 
 __all__ = ["RULE_IDS", "Finding", "RunInfo", "diagnose", "run_info"]
 
@@ -789,7 +789,7 @@ def scale_collapse(events: RunLog) -> list[Finding]:
 
 # ------------------------------------------------------ spikes: a batch or the training
 # Spikes (not the transients a replay cleared) are grouped into episodes and told apart
-# by floatguard.stability._episodes.classify_spikes (its docstring states the rule):
+# by floatguard.stability.episodes.classify_spikes (its docstring states the rule):
 # *isolated* (one spike, the loss back, nothing after it: a bad batch, bad_batch),
 # *sustained* (from a change on: a trend warning, a level that stayed up, or repeated
 # spikes after a lasting LR rise: sustained_instability), *burst* or *unresolved* (the

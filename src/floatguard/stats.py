@@ -25,7 +25,7 @@ import torch
 
 from floatguard import _native
 from floatguard._values import local_part, stored_values
-from floatguard.formats.codec import _decode
+from floatguard.formats.codec import decode_unchecked
 from floatguard.formats.registry import Format, get
 
 __all__ = ["EXP_MAX", "EXP_MIN", "TensorStats", "audit_tensor_numerics", "tensor_stats"]
@@ -244,7 +244,7 @@ def _unpack_fp4(x: torch.Tensor) -> torch.Tensor:
     simply concatenated."""
     codes = x.detach().view(torch.uint8).reshape(-1)
     nibbles = torch.cat([codes & 0xF, codes >> 4]).long()
-    return _decode(get("e2m1fn"), nibbles).float()
+    return decode_unchecked(get("e2m1fn"), nibbles).float()
 
 
 def _sparse_stats(x: torch.Tensor) -> TensorStats:

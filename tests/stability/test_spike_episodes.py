@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from floatguard.stability import _episodes
-from floatguard.stability._episodes import SpikeEpisode, classify_spikes
+from floatguard.stability import episodes as _episodes
+from floatguard.stability.episodes import SpikeEpisode, classify_spikes
 
 Losses = list[tuple[int, float]]
 

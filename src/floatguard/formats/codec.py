@@ -14,7 +14,7 @@ import torch
 
 from floatguard.formats.registry import Format, get
 
-__all__ = ["decode", "encode", "nan_code"]
+__all__ = ["decode", "decode_unchecked", "encode", "nan_code"]
 
 
 def nan_code(fmt: Format) -> int | None:
@@ -43,10 +43,10 @@ def decode(fmt: Format | str, codes: torch.Tensor) -> torch.Tensor:
                 f"code {int(bad[0])} is out of range for {f.name}: codes must lie in "
                 f"[0, 2**{f.bits}) = [0, {(1 << f.bits) - 1}]"
             )
-    return _decode(f, c)
+    return decode_unchecked(f, c)
 
 
-def _decode(f: Format, c: torch.Tensor) -> torch.Tensor:
+def decode_unchecked(f: Format, c: torch.Tensor) -> torch.Tensor:
     """:func:`decode` of int64 codes known to be in range: no check, so no host read."""
     m, e = f.mantissa_bits, f.exponent_bits
     field = (c >> m) & ((1 << e) - 1)

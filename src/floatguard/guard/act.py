@@ -20,7 +20,7 @@ from floatguard.guard.types import Action
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault
 from floatguard.scaling.loss_scale import DynamicLossScaler
-from floatguard.stability.clip import Clipper
+from floatguard.stability.clipper import Clipper
 from floatguard.stability.respond import GuardStopped, ResponsePolicy
 from floatguard.stability.spike_watch import SpikeWatch
 from floatguard.stability.step_state import StepState

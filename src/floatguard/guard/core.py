@@ -45,7 +45,7 @@ from floatguard.guard.types import Closure, Precision, StepResult, Watch
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
-from floatguard.stability.clip import Clipper
+from floatguard.stability.clipper import Clipper
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.snapshot import Snapshot
 from floatguard.stability.spike_watch import SpikeDetector, SpikeWatch

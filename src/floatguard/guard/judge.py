@@ -15,7 +15,7 @@ from floatguard.guard.read import StepRead
 from floatguard.guard.types import Closure, Watch
 from floatguard.monitor.localize import Fault
 from floatguard.scaling.loss_scale import DynamicLossScaler
-from floatguard.stability.clip import Clipper
+from floatguard.stability.clipper import Clipper
 from floatguard.stability.respond import ResponsePolicy
 from floatguard.stability.spike_watch import SpikeWatch
 

@@ -20,7 +20,6 @@ import torch
 
 from floatguard.guard.cadence import SnapshotCadence
 from floatguard.guard.emit import GuardEvents
-from floatguard.stability._snapshot_fit import first_misfit
 from floatguard.stability.snapshot import (
     ForeignSnapshotError,
     Snapshot,
@@ -29,6 +28,7 @@ from floatguard.stability.snapshot import (
     load_snapshot,
     read_identity,
 )
+from floatguard.stability.snapshot_fit import first_misfit
 from floatguard.stability.snapshot_folder import (
     FolderLock,
     SnapshotFolderBusy,

@@ -41,7 +41,7 @@ from floatguard.guard.types import Closure, Precision
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault
 from floatguard.monitor.replay import ReplayResult, run_traced
-from floatguard.repro._tape import Site, TapeRecorder
+from floatguard.repro.tape import Site, TapeRecorder
 from floatguard.stability.clip import total_norm
 from floatguard.stability.step_state import StepState, set_rng_state
 
@@ -468,7 +468,7 @@ class Locator:
         self, closures: Sequence[Closure], tape: TapeRecorder, during: Callable[[], None]
     ) -> None:
         """Re-run the step from its starting state once more, feeding ``tape`` every op
-        (a repro bundle's recording replay, see :mod:`floatguard.repro._tape`); ``during``
+        (a repro bundle's recording replay, see :mod:`floatguard.repro.tape`); ``during``
         is called after the run, before the step's gradients and losses are cleared (to
         find the loss and gradients among the tape's slots)."""
         with self._from_step_start():

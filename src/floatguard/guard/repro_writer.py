@@ -3,7 +3,7 @@
 Nothing happens on a healthy step. On a bad step (``ResponsePolicy(repro_dir=...)``),
 after the judge localized the fault and before the actor rolls back, the step is
 re-run once more from its starting state with a tape recorder on the replay's
-dispatch mode (:mod:`floatguard.repro._tape`), the tape is checked by running it
+dispatch mode (:mod:`floatguard.repro.tape`), the tape is checked by running it
 here (the cone first, the whole recorded scope if the cone does not give the value
 again), and one bundle per distinct fault (by the stop rule's fault key and kind) is
 written atomically to the folder (:func:`floatguard.repro.bundle.save_bundle`),
@@ -36,9 +36,9 @@ from floatguard.guard.locate import FLOOR, Locator, named_root
 from floatguard.guard.policy import fault_key
 from floatguard.guard.types import Closure
 from floatguard.monitor.localize import Fault
-from floatguard.repro._ops import Unwritable, encode
-from floatguard.repro._tape import Site, TapeRecorder
 from floatguard.repro.bundle import FORMAT, MAGIC, run_tape, save_bundle
+from floatguard.repro.ops import Unwritable, encode
+from floatguard.repro.tape import Site, TapeRecorder
 
 __all__ = ["ReproWriter"]
 
@@ -429,9 +429,9 @@ class ReproWriter:
             run = run_tape(taped, self.device)
         except (ValueError, RuntimeError, TypeError, IndexError):
             return False
-        from floatguard.repro.bundle import _kind_matches
+        from floatguard.repro.bundle import kind_matches
 
-        return _kind_matches(run.birth_out, kind)
+        return kind_matches(run.birth_out, kind)
 
     # ------------------------------------------------------------------ files
     def _name(self, step: int, fault: Fault | None, spike: dict[str, Any] | None) -> str:
@@ -486,6 +486,6 @@ def _is_bundle(p: Path) -> bool:
 
 
 def _version() -> str:
-    from floatguard import __version__
+    from floatguard._version import __version__
 
     return __version__

@@ -14,12 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from floatguard.monitor._replay_context import _MODULE_TAG, _Context, _in_backward
-from floatguard.monitor._replay_result import Mark, ReplayResult, _Candidate
+from floatguard.monitor._replay_result import ReplayResult, _Candidate
 from floatguard.monitor._replay_values import _float_operands, _has_nan, _severity, _storage
 from floatguard.monitor._sources import _engine_frame, _from_anomaly_trace, _user_frame
 from floatguard.monitor._stats_read import stats_of
 from floatguard.monitor.localize import Phase
-from floatguard.repro._tape import TapeRecorder
+from floatguard.repro.tape import Mark, TapeRecorder
 
 # Uninitialised memory may hold anything: never blame these.
 _SKIP = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_")
@@ -68,7 +68,7 @@ class _Births(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, ctx: _Context, tape: TapeRecorder | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.ctx = ctx
-        self.tape = tape  # a repro bundle's recording (see floatguard.repro._tape)
+        self.tape = tape  # a repro bundle's recording (see floatguard.repro.tape)
         self.seq = 0  # ops dispatched so far in this replay
         # How many times each (op, module, backward, forward pass) ran: a birth's mark,
         # stable across replays where code runs more ops on a first call (a cache).

@@ -8,10 +8,8 @@ from typing import Literal
 import torch
 
 from floatguard.monitor.localize import Fault, Phase
+from floatguard.repro.tape import Mark
 from floatguard.stats import TensorStats
-
-# Where an op ran in a replay: (op, module, backward, forward pass, occurrence there).
-Mark = tuple[str, str | None, bool, int, int]
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ from floatguard.monitor._births import _Births, _choose, _param_grad_hooks
 from floatguard.monitor._replay_context import _Context, _module_hooks
 from floatguard.monitor._replay_result import ReplayResult
 from floatguard.monitor._replay_values import _severity
-from floatguard.repro._tape import Site, TapeRecorder
+from floatguard.repro.tape import Site, TapeRecorder
 
 __all__ = ["ReplayResult", "replay"]
 

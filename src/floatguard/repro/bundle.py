@@ -46,9 +46,12 @@ import torch
 
 from floatguard._safe_io import NotRegularFile, read_regular
 from floatguard.errors import FloatguardError
-from floatguard.repro._ops import assign, decode, finite_level, op_named
+from floatguard.repro.ops import assign, decode, finite_level, op_named
 
-__all__ = ["ReproBundle", "ReproError", "ReproOutcome", "load_bundle", "reproduce", "save_bundle"]
+__all__ = [
+    "ReproBundle", "ReproError", "ReproOutcome", "kind_matches", "load_bundle", "reproduce",
+    "save_bundle",
+]  # fmt: skip
 
 MAGIC = b"FLOATGUARD-REPRO 1\n"
 _HEADER = struct.Struct(">Q32s")  # payload length, SHA-256 of the payload
@@ -313,7 +316,7 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _kind_matches(out: list[torch.Tensor], kind: str | None) -> bool:
+def kind_matches(out: list[torch.Tensor], kind: str | None) -> bool:
     """Whether ``out`` holds a non-finite value of ``kind`` ("nan", "inf": either sign)."""
     for t in out:
         if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
@@ -389,7 +392,7 @@ def run_tape(tape: dict[str, Any], device: torch.device, *, upto: int | None = N
             levels = [finite_level(t) for t in outs]
             top = max(levels, default=0)
             if (level == 0 and (top == 2 or (top == 1 and i == birth))) or (
-                level == 1 and _kind_matches(outs, "nan")
+                level == 1 and kind_matches(outs, "nan")
             ):
                 run.first, run.first_op = i, str(op.get("op"))
         if i == birth:
@@ -446,7 +449,7 @@ def reproduce(bundle: ReproBundle, device: str | torch.device = "cpu") -> ReproO
             amax = float(t.detach().abs().float().max()) if t.numel() else 0.0
             ok = isinstance(bound, (int, float)) and amax > bound
         else:
-            ok = _kind_matches([t], kind if kind in ("nan", "inf") else None)
+            ok = kind_matches([t], kind if kind in ("nan", "inf") else None)
         note = "" if ok else "the bundle's tensor holds no such value (was it edited?)"
         return ReproOutcome(
             reproduced=ok, ran="the value", values={"value": value_stats(t)}, note=note, **base
@@ -456,7 +459,7 @@ def reproduce(bundle: ReproBundle, device: str | torch.device = "cpu") -> ReproO
     if tape is not None and tape.get("birth") is not None:
         try:
             run = run_tape(tape, dev)
-            ok = _kind_matches(run.birth_out, base["kind"])
+            ok = kind_matches(run.birth_out, base["kind"])
             birth = tape.get("birth")
             note = "" if ok else _not_again(p)
             if ok and run.first is not None and run.first != birth:
@@ -485,7 +488,7 @@ def reproduce(bundle: ReproBundle, device: str | torch.device = "cpu") -> ReproO
                 "birth": 0,
             }  # fmt: skip
             run = run_tape(one, dev)
-            ok = _kind_matches(run.birth_out, base["kind"])
+            ok = kind_matches(run.birth_out, base["kind"])
             note = "; ".join([*errors, *([] if ok else [_not_again(p)])])
             return ReproOutcome(
                 reproduced=ok, ran="the op alone", found_at=run.first, found_op=run.first_op,

@@ -27,14 +27,14 @@ from typing import Any
 import torch
 
 from floatguard._safe_io import replacing
-from floatguard.repro._ops import _DTYPES, _FORMATS, _LAYOUTS, op_named
 from floatguard.repro.bundle import ReproBundle, ReproError
+from floatguard.repro.ops import _DTYPES, _FORMATS, _LAYOUTS, op_named
 
 __all__ = ["write_script"]
 
 
 def _lit(value: Any, prefix: str = "t") -> str:
-    """A tape argument as Python source (see :mod:`floatguard.repro._ops`); tensor
+    """A tape argument as Python source (see :mod:`floatguard.repro.ops`); tensor
     slot ``s`` is the name ``{prefix}{s}``."""
     if value is None or isinstance(value, (bool, int, str)):
         return repr(value)

@@ -10,21 +10,21 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from floatguard.errors import FloatguardError
+from floatguard.scaling._emulated_layers import (
+    EmulatedConv,
+    EmulatedLinear,
+    _Emulated,
+    emulated_sdpa,
+)
 from floatguard.scaling._gemm import _emulated_gemm
 from floatguard.scaling.emulation_recipe import EmulationRecipe
-
-if TYPE_CHECKING:
-    from floatguard.scaling.fake_quant import _Emulated
-
-# fake_quant (the emulated modules) re-exports emulate/restore/Coverage from here, so its
-# names are imported where used: either module can be imported first.
 
 __all__ = ["Coverage", "NothingToEmulate", "emulate", "is_emulated", "restore"]
 
@@ -69,7 +69,6 @@ class _RootHooks:
 
     def _sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
-        from floatguard.scaling.fake_quant import emulated_sdpa
 
         return emulated_sdpa(*args, recipe=self.recipe, **kwargs)
 
@@ -219,13 +218,11 @@ _EMULATABLE = (nn.Linear, nn.Conv1d, nn.Conv2d)
 def is_emulated(model: nn.Module) -> bool:
     """Whether :func:`emulate` was applied to ``model`` or to one of its submodules (and
     not undone by :func:`restore`)."""
-    from floatguard.scaling.fake_quant import _Emulated
 
     return any(isinstance(m, _Emulated) or m in _MHA or m in _ROOT for m in model.modules())
 
 
 def _emulated_for(module: nn.Module, recipe: EmulationRecipe) -> _Emulated:
-    from floatguard.scaling.fake_quant import EmulatedConv, EmulatedLinear
 
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         return EmulatedConv(module, recipe)
@@ -265,7 +262,6 @@ def emulate(
     swapped in their parent, and the object you hold cannot be replaced; wrap it in an
     ``nn.Sequential``.
     """
-    from floatguard.scaling.fake_quant import _Emulated
 
     if not isinstance(recipe, EmulationRecipe):
         raise TypeError(f"recipe must be an EmulationRecipe, got {type(recipe).__name__}")
@@ -349,7 +345,6 @@ def emulate(
 def restore(model: nn.Module) -> list[str]:
     """Undo :func:`emulate`: put every original module back and stop emulating the
     attention matmuls; returns the names of the modules put back."""
-    from floatguard.scaling.fake_quant import _Emulated
 
     names = []
     for name, module in list(model.named_modules()):

@@ -50,6 +50,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from floatguard.batch_loss import batch_loss, check_loss_fn
 from floatguard.scaling._emulate import emulate, is_emulated, restore
 from floatguard.scaling._gemm_flops import GEMM_OPS, looks_like_gemm
 from floatguard.scaling._gemm_tag import is_emulating
@@ -451,15 +452,14 @@ def _run(
     backward: bool,
 ) -> _GemmCounter:
     """One forward (and backward) of ``model`` under the counting mode, state kept."""
-    from floatguard.audit import _batch_loss, _check_loss_fn  # the audit's loss convention
 
-    _check_loss_fn(loss_fn)
+    check_loss_fn(loss_fn)
     tracker = _ModuleTracker(model)
     counter = _GemmCounter(tracker)
     try:
         with _state_kept(model, batch), counter:
             with torch.set_grad_enabled(backward):
-                loss = _batch_loss(loss_fn, model, batch)
+                loss = batch_loss(loss_fn, model, batch)
             if backward and loss.requires_grad:  # a frozen model has no backward to count
                 counter.phase = "backward"
                 loss.backward()  # type: ignore[no-untyped-call]

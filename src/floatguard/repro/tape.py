@@ -1,6 +1,7 @@
-"""Recording a bad step's ops as a tape (see :mod:`floatguard.repro._ops` for the words).
+"""Recording a bad step's ops as a tape (see :mod:`floatguard.repro.ops` for the words).
 
-The recorder rides on the replay's dispatch mode (:mod:`floatguard.monitor._births`),
+The recorder rides on the replay's dispatch mode (:mod:`floatguard.monitor._births`, which
+imports it: the tape knows nothing of the monitor),
 which counts every op the step dispatches: the replay that localized a birth gave it
 a number, and the recording replay (the same step from the same state, run the same
 way) reaches the same op at the same number. What is recorded:
@@ -26,16 +27,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from floatguard.repro._ops import Unwritable, encode, out_slots
+from floatguard.repro.ops import Unwritable, encode, out_slots
 
-if TYPE_CHECKING:
-    from floatguard.monitor._replay_result import Mark
+__all__ = ["Mark", "Site", "TapeRecorder"]
 
-__all__ = ["Site", "TapeRecorder"]
+# Where an op ran in a replay: (op, module, backward, forward pass, occurrence there).
+Mark = tuple[str, str | None, bool, int, int]
 
 _MAX_OPS = 200_000  # a step longer than this is not taped whole
 
