@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from floatguard.demo import train_tiny
-from floatguard.scaling import EmulationRecipe
-from floatguard.scaling import coverage as audit_coverage
-from floatguard.scaling.fake_quant import EmulatedLinear
+from floatguard.emulation import EmulationRecipe
+from floatguard.emulation import coverage as audit_coverage
+from floatguard.emulation.fake_quant import EmulatedLinear
 
 
 def linear_seconds(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
@@ -67,7 +67,7 @@ def coverage(recipe: EmulationRecipe, attention: bool) -> tuple[str, str]:
     """The "layers emulated" and "GEMM FLOPs emulated" columns, measured: one training
     step of the tiny GPT (train_tiny's model, batch and loss; the recipe's skip, else the
     LM head, as train_tiny keeps it) under the dispatch-level audit
-    (floatguard.scaling.coverage), forward + backward. A layer counts as emulated when
+    (floatguard.emulation.coverage), forward + backward. A layer counts as emulated when
     every GEMM FLOP it ran was (an attention module's SDPA matmuls are its own)."""
     from floatguard.demo import GPT, TINY
     from floatguard.demo.model import synthetic_batch

@@ -61,9 +61,9 @@ from torch import nn
 
 from floatguard import Guard, ResponsePolicy, tensor_stats
 from floatguard.demo import GPT, GPTConfig, synthetic_batch
+from floatguard.emulation import EmulationRecipe, Tensorwise
+from floatguard.emulation.fake_quant import EmulatedLinear
 from floatguard.monitor import Monitor
-from floatguard.scaling import EmulationRecipe, Tensorwise
-from floatguard.scaling.fake_quant import EmulatedLinear
 from floatguard.stats import EXP_MIN, TensorStats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -15,7 +15,7 @@ values sink into subnormals as a whole.
 
 import torch
 
-from floatguard.scaling import Block, Tensorwise, quant_metrics
+from floatguard.emulation import Block, Tensorwise, quant_metrics
 
 TOKENS, CHANNELS = 512, 1024
 RECIPES = [("tensorwise", Tensorwise("e4m3fn")), ("1x128 blocks", Block("e4m3fn", (1, 128)))]

@@ -7,6 +7,7 @@ from floatguard._safe_io import NotRegularFile
 from floatguard._version import __version__
 from floatguard.audit import AuditReport, audit
 from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
+from floatguard.emulation import EmulationRecipe, NothingToEmulate, emulate, restore
 from floatguard.errors import FloatguardError
 from floatguard.events import Event, EventLog, read_events
 from floatguard.formats import FORMATS, Explanation, Format, explain, quantize
@@ -15,14 +16,7 @@ from floatguard.guard import Guard, StepResult
 from floatguard.monitor import Alert, Fault, Monitor, ReplayResult, replay
 from floatguard.ops import GradcheckReport, LogSumExp, Moments, gradcheck
 from floatguard.repro import ReproError
-from floatguard.scaling import (
-    DynamicLossScaler,
-    EmulationRecipe,
-    MasterWeights,
-    NothingToEmulate,
-    emulate,
-    restore,
-)
+from floatguard.scaling import DynamicLossScaler, MasterWeights
 from floatguard.stability import (
     ClipPolicy,
     GuardStopped,

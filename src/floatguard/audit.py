@@ -20,14 +20,14 @@ from torch import nn
 
 from floatguard._values import values_of
 from floatguard.batch_loss import batch_loss, check_loss_fn
+from floatguard.emulation.emulation_recipe import EmulationRecipe
+from floatguard.emulation.recipes import Block, TensorRecipe, Tensorwise
 from floatguard.formats.registry import get
 from floatguard.formats.rounding import quantize
-from floatguard.scaling.emulation_recipe import EmulationRecipe
-from floatguard.scaling.recipes import Block, TensorRecipe, Tensorwise
 from floatguard.stats import EXP_MIN, TensorStats, tensor_stats
 
 if TYPE_CHECKING:
-    from floatguard.scaling.coverage import GemmCoverage
+    from floatguard.emulation.coverage import GemmCoverage
 
 __all__ = ["AuditReport", "LayerAudit", "audit"]
 
@@ -345,10 +345,10 @@ def audit(
     tensor-wise and 1x128 blocks). Gradients are left as they were (``model.zero_grad()``
     is called before and after). Reads results on the host.
 
-    ``emulation`` (an :class:`~floatguard.scaling.EmulationRecipe`): the report's
+    ``emulation`` (an :class:`~floatguard.emulation.EmulationRecipe`): the report's
     ``coverage`` is the share of the GEMM FLOPs of one more forward and backward of the
     first batch (``loss_fn`` is called once more) that ``emulate(model, emulation)`` runs
-    on emulated operands, as :func:`floatguard.scaling.coverage` measures it at dispatch:
+    on emulated operands, as :func:`floatguard.emulation.coverage` measures it at dispatch:
     the model emulated for that run and restored, before the audit's own hooks exist (an
     RNN, an eager attention, a skipped LM head are FLOPs left in high precision). A model
     emulate() swaps nothing in (no covered layer, or a bare ``nn.Linear``) gets its plain
@@ -444,7 +444,7 @@ def _first_batch_coverage(
 ) -> tuple[GemmCoverage | None, Iterable[Any]]:
     """The coverage audit on the first batch (before the audit's hooks exist, so they do
     not see it), and the batches with that one still first (an iterator is read once)."""
-    from floatguard.scaling import NothingToEmulate, coverage, is_emulated
+    from floatguard.emulation import NothingToEmulate, coverage, is_emulated
 
     if recipe is None:
         return None, batches

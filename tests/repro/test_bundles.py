@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import floatguard.cli as cli
 from floatguard import ResponsePolicy, SpikePolicy
+from floatguard.emulation import EmulationRecipe, emulate
 from floatguard.repro import ReproError, load_bundle, reproduce, write_script
-from floatguard.scaling import EmulationRecipe, emulate
 from tests.repro import _scenarios as sc
 
 # name -> (plant, run options, expected (module, phase, op, kind) of the birth)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from floatguard.scaling import (
+from floatguard.emulation import (
     EmulationRecipe,
     GemmCoverage,
     coverage,
@@ -20,7 +20,7 @@ from floatguard.scaling import (
     is_emulated,
     restore,
 )
-from floatguard.scaling.coverage import OUTSIDE, Phase
+from floatguard.emulation.coverage import OUTSIDE, Phase
 
 PHASES = typing.get_args(Phase)
 

@@ -21,7 +21,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from floatguard.scaling import Delayed
+from floatguard.emulation import Delayed
 
 FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from floatguard.scaling import (
+from floatguard.emulation import (
     MX,
     NVFP4,
     Block,
@@ -34,7 +34,7 @@ from floatguard.scaling import (
     emulated_sdpa,
     restore,
 )
-from floatguard.scaling._gemm_tag import is_emulating
+from floatguard.emulation._gemm_tag import is_emulating
 
 E4, E5 = "e4m3fn", "e5m2"
 TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]  # TE get_wgrad_sign_vector

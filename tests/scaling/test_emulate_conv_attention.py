@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from floatguard.scaling import (
+from floatguard.emulation import (
     EmulatedConv,
     EmulationRecipe,
     QuantResult,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from floatguard.scaling import EmulationRecipe, emulate, restore
+from floatguard.emulation import EmulationRecipe, emulate, restore
 
 
 class Conv1D(nn.Module):
@@ -75,8 +75,8 @@ def test_covering_nothing_is_an_error_that_says_why() -> None:
 def test_presets_and_the_renamed_tensor_recipe() -> None:
     import warnings
 
-    import floatguard.scaling as scaling
-    from floatguard.scaling import MX, NVFP4, Block, TensorRecipe
+    import floatguard.emulation as scaling
+    from floatguard.emulation import MX, NVFP4, Block, TensorRecipe
 
     r = EmulationRecipe.mxfp8()
     # TE's MXFP8BlockScaling: e4m3 gradients too (Format.E4M3); e5m2 is its HYBRID option

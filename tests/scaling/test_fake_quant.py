@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from floatguard.demo import train_tiny
+from floatguard.emulation import Block, EmulationRecipe, Tensorwise, emulate, fake_quant, restore
+from floatguard.emulation.fake_quant import EmulatedLinear
 from floatguard.formats import quantize
-from floatguard.scaling import Block, EmulationRecipe, Tensorwise, emulate, fake_quant, restore
-from floatguard.scaling.fake_quant import EmulatedLinear
 
 
 def test_emulate_and_restore_share_parameters() -> None:

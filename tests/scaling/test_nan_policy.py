@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from floatguard.scaling import Block, Rowwise, Tensorwise
+from floatguard.emulation import Block, Rowwise, Tensorwise
 
 
 def fmaxf_amax(x: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ import math
 import pytest
 import torch
 
-from floatguard.scaling import NVFP4
+from floatguard.emulation import NVFP4
 
 FLT_MAX = torch.finfo(torch.float32).max
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

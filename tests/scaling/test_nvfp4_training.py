@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from floatguard.scaling import (
+from floatguard.emulation import (
     NVFP4,
     EmulatedLinear,
     EmulationRecipe,

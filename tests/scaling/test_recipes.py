@@ -8,8 +8,7 @@ import struct
 import pytest
 import torch
 
-from floatguard.formats import FORMATS, quantize
-from floatguard.scaling import (
+from floatguard.emulation import (
     MX,
     NVFP4,
     Block,
@@ -20,6 +19,7 @@ from floatguard.scaling import (
     amax_to_scale,
     quant_metrics,
 )
+from floatguard.formats import FORMATS, quantize
 
 E4M3_MAX = 448.0
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from floatguard.emulation import MX, NVFP4, Block, Rowwise, Tensorwise, amax_to_scale_and_fallbacks
 from floatguard.formats import get
-from floatguard.scaling import MX, NVFP4, Block, Rowwise, Tensorwise, amax_to_scale_and_fallbacks
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -143,7 +143,7 @@ def test_block_pow2_inherits_the_exact_power_of_two() -> None:
 
 
 def test_ema_scaler_state_round_trips_and_rowwise_checks_eps() -> None:
-    from floatguard.scaling import EMAScaler, Rowwise
+    from floatguard.emulation import EMAScaler, Rowwise
 
     a = EMAScaler("e4m3fn", margin=1, smoothing=0.5)
     for v in (2.0, 8.0, 4.0):
@@ -161,7 +161,7 @@ def test_ema_scaler_state_round_trips_and_rowwise_checks_eps() -> None:
 
 
 def test_delayed_scaling_nan_skipping_history_and_fractional_margin() -> None:
-    from floatguard.scaling import Delayed
+    from floatguard.emulation import Delayed
 
     plain = Delayed("e4m3fn", history_len=4).scaler()
     skip = Delayed("e4m3fn", history_len=4, skip_nonfinite=True).scaler()

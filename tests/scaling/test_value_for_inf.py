@@ -18,7 +18,7 @@ import struct
 import pytest
 import torch
 
-from floatguard.scaling import Block, Tensorwise, amax_to_scale_and_fallbacks
+from floatguard.emulation import Block, Tensorwise, amax_to_scale_and_fallbacks
 
 FLT_MAX_BITS = 0x7F7FFFFF
 BF16_MAX_BITS = 0x7F7F0000  # bf16's largest value, as a float32 pattern

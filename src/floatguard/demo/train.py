@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from floatguard.demo.model import GPT, GPTConfig, synthetic_batch
-from floatguard.scaling.fake_quant import EmulationRecipe, emulate
+from floatguard.emulation.fake_quant import EmulationRecipe, emulate
 
 __all__ = ["TINY", "train_tiny"]
 
@@ -28,7 +28,7 @@ def train_tiny(
     """Train the tiny GPT for ``steps`` (AdamW, 30-step warmup, linear decay), optionally
     under an emulated recipe (the LM head stays in high precision, as DeepSeek-V3 keeps it)
     or bf16 autocast (``precision=torch.bfloat16``); ``attention``: emulate the SDPA
-    matmuls too (see :func:`~floatguard.scaling.emulate`). Returns the mean held-out loss."""
+    matmuls too (see :func:`~floatguard.emulation.emulate`). Returns the mean held-out loss."""
     torch.manual_seed(seed)
     model = GPT(cfg)
     if recipe is not None:

@@ -370,13 +370,13 @@ _NOT_A_FORMAT: dict[str, str] = {
     "(max 57344, for gradients)",
     "float8": "is ambiguous: e4m3fn (max 448, for weights and activations) or e5m2 "
     "(max 57344, for gradients)",
-    "nvfp4": "is a scaling recipe, not an element format: floatguard.scaling.NVFP4() "
+    "nvfp4": "is a scaling recipe, not an element format: floatguard.emulation.NVFP4() "
     "(e2m1fn elements, e4m3fn block scales, an fp32 tensor scale)",
-    "mxfp8": "is a scaling recipe, not an element format: floatguard.scaling.MX('e4m3fn') "
+    "mxfp8": "is a scaling recipe, not an element format: floatguard.emulation.MX('e4m3fn') "
     "(or MX('e5m2')): 32-element blocks with an e8m0fnu scale",
-    "mxfp6": "is a scaling recipe, not an element format: floatguard.scaling.MX('e3m2fn') "
+    "mxfp6": "is a scaling recipe, not an element format: floatguard.emulation.MX('e3m2fn') "
     "or MX('e2m3fn')",
-    "mxfp4": "is a scaling recipe, not an element format: floatguard.scaling.MX('e2m1fn')",
+    "mxfp4": "is a scaling recipe, not an element format: floatguard.emulation.MX('e2m1fn')",
 }
 _EXMY = re.compile(r"^(?:float\d*_)?e(\d+)m(\d+)(fn|fnuz)?$")
 # Note: "e4m3" is accepted as e4m3fn because that is what every DL stack means by it;

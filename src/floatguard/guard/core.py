@@ -567,7 +567,7 @@ class Guard(GuardPersistence):
     def _repro_context(self) -> dict[str, Any]:
         """What the step computed in: precision, loss scale, autocast, the parameters'
         dtypes, the emulation recipes of the model's emulated layers."""
-        from floatguard.scaling.emulation_recipe import EmulationRecipe
+        from floatguard.emulation.emulation_recipe import EmulationRecipe
 
         recipes = {
             name: repr(m.recipe)

@@ -1,79 +1,66 @@
-"""How values are kept inside a format's window: loss scaling, master weights, FP8 recipes."""
+"""Loss scaling and master weights: keeping gradients and updates inside a 16-bit
+format's window (:class:`DynamicLossScaler`, :class:`MasterWeights`).
 
-from floatguard.scaling._emulate import Coverage, NothingToEmulate, is_emulated
-from floatguard.scaling.coverage import Flops, GemmCoverage, GemmRecord, coverage
-from floatguard.scaling.fake_quant import (
-    EmulatedConv,
-    EmulatedLinear,
-    EmulationRecipe,
-    FakeQuant,
-    emulate,
-    emulated_sdpa,
-    fake_quant,
-    restore,
-)
-from floatguard.scaling.hadamard import random_hadamard_transform, rht_matrix
+FP8/MX/NVFP4 emulation moved to :mod:`floatguard.emulation`; its names (and the
+modules ``floatguard.scaling.recipes``, ``.fake_quant``, ``.coverage``, ``.hadamard``,
+``.emulation_recipe``) still import from here, with a DeprecationWarning.
+"""
+
+import warnings
+
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.scaling.master import MasterWeights
-from floatguard.scaling.recipes import (
-    MX,
-    NVFP4,
-    Block,
-    Delayed,
-    DelayedScaler,
-    EMAScaler,
-    NanPolicy,
-    QuantResult,
-    Rowwise,
-    TensorRecipe,
-    Tensorwise,
-    amax_to_scale,
-    amax_to_scale_and_fallbacks,
-    quant_metrics,
-    tensor_to_amax,
-)
 
-__all__ = [
-    "MX",
-    "NVFP4",
-    "Block",
-    "Coverage",
-    "Delayed",
-    "DelayedScaler",
-    "DynamicLossScaler",
-    "EMAScaler",
-    "EmulatedConv",
-    "EmulatedLinear",
-    "EmulationRecipe",
-    "FakeQuant",
-    "Flops",
-    "GemmCoverage",
-    "GemmRecord",
-    "MasterWeights",
-    "NanPolicy",
-    "NothingToEmulate",
-    "QuantResult",
-    "Rowwise",
-    "TensorRecipe",
-    "Tensorwise",
-    "amax_to_scale",
-    "amax_to_scale_and_fallbacks",
-    "coverage",
-    "emulate",
-    "emulated_sdpa",
-    "fake_quant",
-    "is_emulated",
-    "quant_metrics",
-    "random_hadamard_transform",
-    "restore",
-    "rht_matrix",
-    "tensor_to_amax",
-]
+__all__ = ["DynamicLossScaler", "MasterWeights"]
+
+_MOVED = frozenset(
+    [
+        "Block",
+        "Coverage",
+        "Delayed",
+        "DelayedScaler",
+        "EMAScaler",
+        "EmulatedConv",
+        "EmulatedLinear",
+        "EmulationRecipe",
+        "FakeQuant",
+        "Flops",
+        "GemmCoverage",
+        "GemmRecord",
+        "MX",
+        "NVFP4",
+        "NanPolicy",
+        "NothingToEmulate",
+        "QuantResult",
+        "Recipe",
+        "Rowwise",
+        "TensorRecipe",
+        "Tensorwise",
+        "amax_to_scale",
+        "amax_to_scale_and_fallbacks",
+        "coverage",
+        "emulate",
+        "emulated_sdpa",
+        "fake_quant",
+        "is_emulated",
+        "quant_metrics",
+        "random_hadamard_transform",
+        "restore",
+        "rht_matrix",
+        "tensor_to_amax",
+    ]
+)
 
 
 def __getattr__(name: str) -> object:
-    if name == "Recipe":  # deprecated alias of TensorRecipe (see floatguard.scaling.recipes)
-        from floatguard.scaling import recipes
+    if name in _MOVED:
+        warnings.warn(
+            f"floatguard.scaling.{name} moved to floatguard.emulation.{name}; import it "
+            "from there (the old path goes in a later release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        import floatguard.emulation as emulation
 
-        return recipes.__getattr__(name)
+        return getattr(emulation, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

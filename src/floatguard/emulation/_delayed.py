@@ -21,9 +21,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from floatguard.formats.registry import get
-from floatguard.formats.rounding import quantize
-from floatguard.scaling._core import (
+from floatguard.emulation._core import (
     FLT_MAX,
     NanPolicy,
     QuantResult,
@@ -31,6 +29,8 @@ from floatguard.scaling._core import (
     _check_nan_policy,
     _f32_quotient,
 )
+from floatguard.formats.registry import get
+from floatguard.formats.rounding import quantize
 
 __all__ = ["AmaxAlgo", "Delayed", "DelayedScaler"]
 

@@ -12,7 +12,7 @@ Words used here and in the recipe modules:
 
 Reading order: :class:`QuantResult`, :func:`tensor_to_amax`,
 :func:`amax_to_scale_and_fallbacks`, :class:`TensorRecipe`. The recipes themselves live
-in :mod:`floatguard.scaling.recipes` (current scaling, MX), ``_nvfp4`` and ``_delayed``.
+in :mod:`floatguard.emulation.recipes` (current scaling, MX), ``_nvfp4`` and ``_delayed``.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def _blocks_last(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
 class TensorRecipe:
     """How *one tensor* is scaled and quantized (Tensorwise, Rowwise, Block, MX, NVFP4):
     ``__call__(x) -> QuantResult``. Not to be confused with
-    :class:`~floatguard.scaling.EmulationRecipe`, which picks a TensorRecipe for each
+    :class:`~floatguard.emulation.EmulationRecipe`, which picks a TensorRecipe for each
     operand of a GEMM (activation, weight, gradient). Called ``Recipe`` in 0.1.0;
     that name still works, with a DeprecationWarning."""
 

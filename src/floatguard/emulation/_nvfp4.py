@@ -16,9 +16,7 @@ from typing import Literal, get_args
 
 import torch
 
-from floatguard.formats.registry import get
-from floatguard.formats.rounding import quantize
-from floatguard.scaling._core import (
+from floatguard.emulation._core import (
     FLT_MAX,
     QuantResult,
     TensorRecipe,
@@ -26,6 +24,8 @@ from floatguard.scaling._core import (
     _f32_quotient,
     tensor_to_amax,
 )
+from floatguard.formats.registry import get
+from floatguard.formats.rounding import quantize
 
 __all__ = ["NVFP4", "NVFP4Rounding"]
 

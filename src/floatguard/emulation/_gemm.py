@@ -12,13 +12,13 @@ quantization errors"; ``custom_recipes/reference_nvfp4.py``: ``col_input =
 tensor.t()``, RHT'd for Wgrad, with its own amax), as torchao's
 ``matmul_with_hp_or_float8_args`` does from its saved ``input_hp`` / ``weight_hp_t``.
 
-Layouts (every operand reduction-last, see :mod:`floatguard.scaling.emulation_recipe`):
+Layouts (every operand reduction-last, see :mod:`floatguard.emulation.emulation_recipe`):
 fprop ``A [.., M, K] @ B [.., N, K]^T``; dgrad ``dY [.., M, N] @ (B^T) [.., K, N]^T``;
 wgrad ``(dY^T) [.., N, M] @ (A^T) [.., K, M]^T``. Leading batch dims (attention) are
 GEMM batches: wgrad reduces over M within each batch. A linear layer's tokens are
 flattened into M before (``_emulated_gemm``).
 
-Every matmul here runs inside :func:`~floatguard.scaling._gemm_tag.emulated_gemm`
+Every matmul here runs inside :func:`~floatguard.emulation._gemm_tag.emulated_gemm`
 (the coverage audit counts those FLOPs as emulated); the RHT is a butterfly, not a
 matmul. Order of the draws of stochastic rounding: fprop's, then dgrad's, then
 wgrad's. No host-device sync anywhere.
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from floatguard.emulation._gemm_tag import emulated_gemm
+from floatguard.emulation.emulation_recipe import EmulationRecipe
+from floatguard.emulation.hadamard import random_hadamard_transform
+from floatguard.emulation.recipes import TensorRecipe
 from floatguard.formats.registry import Format
 from floatguard.formats.rounding import quantize
-from floatguard.scaling._gemm_tag import emulated_gemm
-from floatguard.scaling.emulation_recipe import EmulationRecipe
-from floatguard.scaling.hadamard import random_hadamard_transform
-from floatguard.scaling.recipes import TensorRecipe
 
 __all__: list[str] = []
 

@@ -1,7 +1,7 @@
 """emulate() and restore(): swapping a model's GEMM modules for emulated ones, and the
 hooks around its forward (the SDPA replacement, nn.MultiheadAttention's ``F.linear``).
 
-Moved out of :mod:`floatguard.scaling.fake_quant` (which re-exports ``emulate``,
+Moved out of :mod:`floatguard.emulation.fake_quant` (which re-exports ``emulate``,
 ``restore`` and ``Coverage``); the emulated modules themselves live there.
 """
 
@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from floatguard.errors import FloatguardError
-from floatguard.scaling._emulated_layers import (
+from floatguard.emulation._emulated_layers import (
     EmulatedConv,
     EmulatedLinear,
     _Emulated,
     emulated_sdpa,
 )
-from floatguard.scaling._gemm import _emulated_gemm
-from floatguard.scaling.emulation_recipe import EmulationRecipe
+from floatguard.emulation._gemm import _emulated_gemm
+from floatguard.emulation.emulation_recipe import EmulationRecipe
+from floatguard.errors import FloatguardError
 
 __all__ = ["Coverage", "NothingToEmulate", "emulate", "is_emulated", "restore"]
 
@@ -153,7 +153,7 @@ class Coverage(list[str]):
     ``attention`` is live: True once the model's forwards called an emulated
     ``F.scaled_dot_product_attention`` (``attention_requested``: what emulate() was asked
     for). It cannot tell an attention written with ``torch.matmul`` in one layer among
-    SDPA calls in others: :func:`floatguard.scaling.coverage` counts the FLOPs that ran."""
+    SDPA calls in others: :func:`floatguard.emulation.coverage` counts the FLOPs that ran."""
 
     def __init__(
         self,
@@ -255,7 +255,7 @@ def emulate(
     nn.Conv3d, transposed convs, nn.Bilinear, nn.RNN/LSTM/GRU and their cells); its
     ``attention`` says whether an emulated SDPA call ran (:class:`Coverage`); it is also
     logged (logger "floatguard"). What ran, FLOP by FLOP:
-    :func:`floatguard.scaling.coverage`.
+    :func:`floatguard.emulation.coverage`.
     Covering nothing raises :class:`NothingToEmulate` (a ValueError) saying why: the model
     would train in full precision while you believe it is emulated. So does a model that
     is itself one of the covered layers (``emulate(nn.Linear(4, 4), ...)``): modules are

@@ -3,7 +3,7 @@
 Every matmul the emulation computes on quantized operands (an emulated layer's forward
 GEMM and its two backward GEMMs, the two SDPA matmuls, the accumulator-emulated
 chunks) runs inside :func:`emulated_gemm`; the dispatch-level audit
-(:func:`floatguard.scaling.coverage.coverage`) asks :func:`is_emulating` for each
+(:func:`floatguard.emulation.coverage.coverage`) asks :func:`is_emulating` for each
 GEMM-like aten op it sees, so "GEMM FLOPs emulated" counts what really ran on
 emulated operands, not what was swapped. A thread-local depth: autograd runs a CPU
 backward on the thread that called ``backward()``; a custom ``backward`` enters the

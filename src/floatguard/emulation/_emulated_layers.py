@@ -1,7 +1,7 @@
 """The emulated layers: GEMMs computed as an FP8/MX/NVFP4 GEMM would, on a CPU.
 
-:mod:`floatguard.scaling.fake_quant` is the public face (these, and ``emulate`` /
-``restore`` from :mod:`floatguard.scaling._emulate`, which swaps them in).
+:mod:`floatguard.emulation.fake_quant` is the public face (these, and ``emulate`` /
+``restore`` from :mod:`floatguard.emulation._emulate`, which swaps them in).
 
 ``emulate(model, EmulationRecipe.hybrid_block())`` swaps, in place, every
 ``nn.Linear`` (and transformers' ``Conv1D``) for an :class:`EmulatedLinear` and
@@ -9,7 +9,7 @@ every ``nn.Conv1d``/``nn.Conv2d`` for an :class:`EmulatedConv`, each sharing the
 original's parameters (the optimizer keeps working). Each of the layer's three GEMMs
 (forward, dgrad, wgrad) quantizes its two operands along its own reduction dim with
 the recipe's choice for that operand (:class:`EmulationRecipe`, six operand recipes;
-the GEMM itself is :mod:`floatguard.scaling._gemm`) and multiplies in float32. A
+the GEMM itself is :mod:`floatguard.emulation._gemm`) and multiplies in float32. A
 convolution is computed as the implicit
 GEMM it is (im2col: the reduction runs over ``in_channels / groups * kernel``), so
 block scales run along the same dim as a GEMM kernel's. With ``attention=True``
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from floatguard.scaling._gemm import _emulated_gemm
-from floatguard.scaling.emulation_recipe import EmulationRecipe
-from floatguard.scaling.recipes import TensorRecipe
+from floatguard.emulation._gemm import _emulated_gemm
+from floatguard.emulation.emulation_recipe import EmulationRecipe
+from floatguard.emulation.recipes import TensorRecipe
 
 __all__ = ["EmulatedConv", "EmulatedLinear", "FakeQuant", "emulated_sdpa", "fake_quant"]
 
@@ -195,7 +195,7 @@ def emulated_sdpa(
     """``F.scaled_dot_product_attention`` with its two matmuls emulated, as FP8 attention
     kernels compute them, forward and backward: ``S = q k^T`` (q and k along the head
     dim E) and ``O = P v`` (P and v along the keys), each the emulated GEMM of
-    :mod:`floatguard.scaling._gemm`, so their four backward matmuls quantize their
+    :mod:`floatguard.emulation._gemm`, so their four backward matmuls quantize their
     operands along their own reduction dims too (``dq = dS k``: dS and k along the keys;
     ``dk = dS^T q``: dS and q along the queries; ``dP = dO v^T``: along E; ``dv = P^T
     dO``: along the queries). Every non-gradient operand (q, k, P, v) uses the recipe's
