@@ -3,6 +3,8 @@ cases it must tell apart."""
 
 from __future__ import annotations
 
+import ast
+import json
 import math
 import re
 from pathlib import Path
@@ -10,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from floatguard.diagnose import OWN_IDS, RULE_IDS, Finding, diagnose
-from floatguard.events import EVENT_FIELDS, Event
+from floatguard.diagnose.specs import SPECS
+from floatguard.events import EVENT_FIELDS, Event, EventLog
 
 from .report import _runs as runs
 
@@ -557,4 +560,75 @@ def test_a_spike_too_near_the_end_is_not_called_a_bad_batch() -> None:
     assert f["loss_spikes"].evidence.endswith(
         "; the run ended 1 applied step(s) after the last: too soon to tell a bad batch from "
         "the start of an instability"
+    )
+
+
+def _severities(node: ast.expr) -> list[object]:
+    """The values a severity expression can take (a constant, or a conditional of them)."""
+    if isinstance(node, ast.IfExp):
+        return _severities(node.body) + _severities(node.orelse)
+    return [node.value] if isinstance(node, ast.Constant) else [None]
+
+
+def test_every_finding_id_has_a_spec_and_no_finding_outranks_it() -> None:
+    """One id names the rule's finding, its docs row (above) and its spec: every
+    declared id has a spec with a lesson and a fix, and every Finding a rule builds
+    with that id has at most the spec's severity."""
+    declared = {i for ids in RULE_IDS.values() for i in ids} | set(OWN_IDS)
+    assert set(SPECS) == declared
+    assert all(s.lesson and s.fix and s.title and s.severity in (1, 2, 3) for s in SPECS.values())
+    seen = set()
+    for path in (Path(__file__).parents[1] / "src" / "floatguard" / "diagnose").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Finding"):
+                continue
+            kw = {k.arg: k.value for k in node.keywords}
+            rid = node.args[0] if node.args else kw["rule"]
+            sev = node.args[5] if len(node.args) > 5 else kw["severity"]
+            if isinstance(rid, ast.Constant):
+                seen.add(rid.value)
+                for value in _severities(sev):
+                    assert value is None or value <= SPECS[rid.value].severity, rid.value
+    assert seen <= declared and len(seen) >= 25  # the scan found the findings
+
+
+def test_list_rules_prints_every_rule_with_its_lesson_and_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import floatguard.cli as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", "--list-rules", "--json"])
+    listed = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in listed] == list(SPECS)
+    assert all(r["lesson"] and r["fix"] for r in listed)
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", "--list-rules"])
+    text = capsys.readouterr().out
+    for spec in SPECS.values():
+        assert f"{spec.id} (severity {spec.severity})" in text and spec.lesson in text
+
+
+def test_rule_filters_the_findings_and_an_unknown_id_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import floatguard.cli as cli
+
+    log = EventLog(tmp_path / "run.jsonl")
+    for i in range(30):
+        log.emit("step", i, action="applied", reason=None, loss=1e5, grad_norm=0.0,
+                 clip_coef=1.0, scale=None, lr_factor=1.0, lr=None)  # fmt: skip
+    log.close()
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", str(tmp_path / "run.jsonl"), "--json"])
+    every = {f["rule"] for f in json.loads(capsys.readouterr().out)}
+    assert {"large_loss", "zero_grad"} <= every
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", str(tmp_path / "run.jsonl"), "--json", "--rule", "large_loss"])
+    assert {f["rule"] for f in json.loads(capsys.readouterr().out)} == {"large_loss"}
+    with pytest.raises(SystemExit) as info:
+        cli.main(["diagnose", str(tmp_path / "run.jsonl"), "--rule", "nope"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert (
+        info.value.code == 2 and len(err) == 1 and "'nope'" in err[0] and "--list-rules" in err[0]
     )

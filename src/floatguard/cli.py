@@ -10,6 +10,7 @@ traceback. Ctrl-C prints "interrupted" and exits 130.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -447,23 +448,54 @@ def report(
 @app.command(name="diagnose")
 def diagnose_cmd(
     runs: Annotated[
-        list[Path],
+        list[Path] | None,
         typer.Argument(
             help="A run's event log (events.jsonl); for a multi-rank run, one log per "
             "rank, or one merged log (diagnosed as the ranks' agreed view).",
         ),
-    ],
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    rule: Annotated[
+        list[str] | None,
+        typer.Option("--rule", help="Only the findings of this id (repeatable; see --list-rules)."),
+    ] = None,
+    list_rules: Annotated[
+        bool, typer.Option("--list-rules", help="Print every rule: id, lesson, fix.")
+    ] = False,
 ) -> None:
     """Print the diagnosis of a run: findings with evidence, likely cause and fix."""
     from floatguard.diagnose import diagnose
+    from floatguard.diagnose.specs import SPECS
 
+    unknown = [r for r in rule or [] if r not in SPECS]
+    if unknown:
+        raise _fail(
+            f"--rule {unknown[0]!r} is no rule's id; floatguard diagnose --list-rules lists them"
+        )
+    if list_rules:
+        _print_rules(list(SPECS.values()), as_json)
+        return
+    if not runs:
+        raise _fail("give a run's events.jsonl (or --list-rules)")
     log, problems = _read_runs(list(runs))
     found = diagnose(log, problems)  # the lines not read: counted and named there
+    if rule:
+        found = [f for f in found if f.rule in rule]
     if as_json:
         print(json.dumps([f.to_dict() for f in found], allow_nan=False))
         return
     _print_findings(found)
+
+
+def _print_rules(specs: list[Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([dataclasses.asdict(s) for s in specs]))
+        return
+    for s in specs:
+        _out.print(f"[bold]{escape(s.id)}[/bold] (severity {s.severity}): {escape(s.title)}",
+                   markup=True)  # fmt: skip
+        _out.print(f"  lesson: {escape(s.lesson)}", markup=True)
+        _out.print(f"  fix: {escape(s.fix)}", markup=True)
 
 
 @app.command(name="repro")
