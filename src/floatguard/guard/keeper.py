@@ -24,7 +24,6 @@ from floatguard.stability.snapshot import (
     ForeignSnapshotError,
     Snapshot,
     SnapshotError,
-    SnapshotStore,
     load_snapshot,
     read_identity,
 )
@@ -36,6 +35,7 @@ from floatguard.stability.snapshot_folder import (
     read_run_id,
     write_run_id,
 )
+from floatguard.stability.snapshot_store import SnapshotStore
 
 if TYPE_CHECKING:
     from floatguard.stability.respond import ResponsePolicy

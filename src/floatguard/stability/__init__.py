@@ -8,7 +8,8 @@ from floatguard.stability.clip import (
     clip_grad_value_,
 )
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
-from floatguard.stability.snapshot import Snapshot, SnapshotError, SnapshotStore, load_snapshot
+from floatguard.stability.snapshot import Snapshot, SnapshotError, load_snapshot
+from floatguard.stability.snapshot_store import SnapshotStore
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
 from floatguard.stability.trend import TrendAlarm, TrendPolicy, TrendWatch
 

@@ -35,8 +35,6 @@ Reading order: :class:`Snapshot`, :func:`load_snapshot`, :class:`SnapshotStore`.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import errno
 import io
 import os
 import random
@@ -44,45 +42,43 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from floatguard._foreach import is_dtensor
 from floatguard._safe_io import NotRegularFile, read_regular
-from floatguard.stability._host_copy import HostCopy, HostShard, host_buffer
-from floatguard.stability._process import writer_gone, writer_tag
+from floatguard.stability._host_copy import HostCopy
+from floatguard.stability._process import writer_tag
 from floatguard.stability._snapshot_file import (
-    TEMP_NAME,
     ForeignSnapshotError,
     SnapshotError,
     check_name,
     check_run,
     encode_header,
     read_identity,
-    run_bytes,
     step_of,
     verified,
+)
+from floatguard.stability._snapshot_tree import (
+    Stateful,
+    _copy_into,
+    _host_tree,
+    _live_copy,
+    _on_accelerator,
+    written_early,
 )
 
 __all__ = [
     "ForeignSnapshotError",
     "Snapshot",
     "SnapshotError",
-    "SnapshotStore",
     "Stateful",
     "load_snapshot",
     "read_identity",
     "step_of",
 ]
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any, /) -> Any: ...
 
 
 RngKind = Literal["all", "torch"]
@@ -122,214 +118,6 @@ def _set_rng_state(state: dict[str, Any], kind: RngKind = "all") -> None:
         np.random.set_state(
             (n[0], n[1].numpy().astype(np.uint32), int(n[2]), int(n[3]), float(n[4]))
         )
-
-
-_ATOMS = (int, float, str, bool, type(None))
-
-
-def _copy_plain(v: Any) -> Any:
-    """A deep copy of a state made of dicts, lists and tuples of plain values (a
-    detector's window, a scaler's counters), without :func:`copy.deepcopy`'s memo;
-    anything else through it."""
-    if type(v) in _ATOMS:
-        return v
-    if type(v) is list:  # (a detector's window: floats, copied without a call each)
-        return [x if type(x) in _ATOMS else _copy_plain(x) for x in v]
-    if type(v) is dict:
-        return {k: x if type(x) in _ATOMS else _copy_plain(x) for k, x in v.items()}
-    if type(v) is tuple:
-        return tuple(_copy_plain(x) for x in v)
-    return copy.deepcopy(v)
-
-
-def _same_plain(a: Any, b: Any) -> bool:
-    """Two non-tensor leaves are the same value (NaN counts as changed: copied again)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # an object without a plain truth value: copy it
-        return False
-
-
-_NESTED = (torch.Tensor, dict, list, tuple)
-
-
-def _pair_up(old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
-    """Walk ``old`` (this snapshot's copy) and ``new`` (a live state) together: their
-    tensors paired into ``dst``/``src``, a changed plain value (a learning rate) copied
-    into ``old`` in place; False when the structure, a shape or a dtype differs (or a
-    tensor is a subclass: a fresh snapshot deep-copies it)."""
-    tensor = torch.Tensor
-    if type(new) is tensor:
-        if type(old) is not tensor or old.dtype != new.dtype or old.shape != new.shape:
-            return False
-        dst.append(old)
-        src.append(new)
-        return True
-    if type(old) is HostShard:  # a host snapshot's DTensor shard
-        if not is_dtensor(new) or not old.fits(new):
-            return False
-        dst.append(old.local)
-        with torch.no_grad():
-            src.append(new.to_local())
-        return True
-    if isinstance(new, dict):  # a module's state_dict is an OrderedDict
-        if type(old) is not type(new) or old.keys() != new.keys():
-            return False
-        for k, v in new.items():
-            if type(v) is tensor:  # the common leaf, paired without a call
-                o = old[k]
-                if type(o) is not tensor or o.dtype != v.dtype or o.shape != v.shape:
-                    return False
-                dst.append(o)
-                src.append(v)
-            elif isinstance(v, _NESTED):
-                if not _pair_up(old[k], v, dst, src):
-                    return False
-            elif not _same_plain(old[k], v):
-                old[k] = _copy_plain(v)
-        return True
-    if type(new) is list:
-        if type(old) is not list or len(old) != len(new):
-            return False
-        for i, v in enumerate(new):
-            if isinstance(v, _NESTED):
-                if not _pair_up(old[i], v, dst, src):
-                    return False
-            elif not _same_plain(old[i], v):
-                old[i] = _copy_plain(v)
-        return True
-    if type(new) is tuple:  # immutable: its plain values must be the same
-        if type(old) is not tuple or len(old) != len(new):
-            return False
-        for o, v in zip(old, new, strict=True):
-            if isinstance(v, _NESTED):
-                if not _pair_up(o, v, dst, src):
-                    return False
-            elif not _same_plain(o, v):
-                return False
-        return True
-    return False  # a tensor subclass or another container: a fresh snapshot copies it
-
-
-def _copy_into(
-    old: dict[str, Any],
-    new: dict[str, Any],
-    plain: set[str],
-    copier: HostCopy | None = None,
-    new_objects: dict[str, Stateful] | None = None,
-) -> bool:
-    """Copy each object's new state into the old state's tensors when the structure,
-    shapes and dtypes match (one ``torch._foreach_copy_``; with ``copier``, the host
-    snapshot's copy, asynchronous from an accelerator); True when
-    done for every object (on False the old state may be half updated: the caller
-    makes a fresh snapshot). The states named in ``plain`` held no tensor (scalers,
-    detectors): they are replaced by copies."""
-    if old.keys() != new.keys():
-        return False
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    rebuilt: dict[str, Any] = {}
-    for name, state in new.items():
-        if name in plain:
-            rebuilt[name] = _copy_plain(state)
-        elif not _pair_up(old[name], state, dst, src):
-            return False
-    try:
-        if copier is not None:
-            copier.start(dst, src, written_early(new_objects, src) if new_objects else None)
-        else:
-            with torch.no_grad():
-                if dst:
-                    # (a device or layout change raises here: then a fresh snapshot is made)
-                    torch._foreach_copy_(dst, src)
-    except RuntimeError:
-        return False
-    old.update(rebuilt)
-    return True
-
-
-def written_early(objects: dict[str, Stateful], src: list[torch.Tensor]) -> list[bool] | None:
-    """Which of ``src`` the next forward writes in place: the modules' buffers (by
-    memory; None when there are none), for :meth:`HostCopy.start`'s ``early``."""
-    with torch.no_grad():  # (a DTensor buffer by its local part, as the copy has it)
-        ptrs = {
-            (b.to_local() if is_dtensor(b) else b).data_ptr()  # type: ignore[attr-defined]
-            for m in objects.values() if isinstance(m, torch.nn.Module)
-            for b in m.buffers()
-        }  # fmt: skip
-    if not ptrs:
-        return None
-    return [s.data_ptr() in ptrs for s in src]
-
-
-def _host_tree(v: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
-    """A copy of a state with every plain tensor replaced by a new host buffer, and
-    every DTensor by a :class:`HostShard` of its local part (the buffers and sources
-    paired into ``dst``/``src`` for the copy); other tensor subclasses and other
-    leaves deep-copied where they are."""
-    if type(v) is torch.Tensor:
-        buf = host_buffer(v)
-        dst.append(buf)
-        src.append(v)
-        return buf
-    if is_dtensor(v):
-        shard = HostShard(v)
-        dst.append(shard.local)
-        with torch.no_grad():
-            src.append(v.to_local())
-        return shard
-    if isinstance(v, dict):
-        out = copy.copy(v)  # keeps an OrderedDict's type
-        for k, x in v.items():
-            out[k] = _host_tree(x, dst, src)
-        return out
-    if type(v) in (list, tuple):
-        return type(v)(_host_tree(x, dst, src) for x in v)
-    return _copy_plain(v)
-
-
-def _has_shard(v: Any) -> bool:
-    if type(v) is HostShard:
-        return True
-    if isinstance(v, dict):
-        return any(_has_shard(x) for x in v.values())
-    if type(v) in (list, tuple):
-        return any(_has_shard(x) for x in v)
-    return False
-
-
-def _live_copy(v: Any, *, only_shards: bool = False) -> Any:
-    """A state as ``load_state_dict`` takes it: a deep copy (nothing aliases the
-    snapshot), each :class:`HostShard` rebuilt as its DTensor. ``only_shards``: the
-    rest is not copied (for a write). A state without shards is one ``deepcopy``."""
-    if not _has_shard(v):
-        return v if only_shards else copy.deepcopy(v)
-    if type(v) is HostShard:
-        return v.rebuild()
-    if isinstance(v, dict):
-        out = copy.copy(v)
-        for k, x in v.items():
-            out[k] = _live_copy(x, only_shards=only_shards)
-        return out
-    if type(v) in (list, tuple):
-        return type(v)(_live_copy(x, only_shards=only_shards) for x in v)
-    return v if only_shards else copy.deepcopy(v)
-
-
-def _on_accelerator(v: Any) -> bool:
-    """Whether a tensor in ``v`` (dicts, lists, tuples) is on an accelerator (the walk
-    stops at the first tensor found there)."""
-    if isinstance(v, torch.Tensor):
-        return v.device.type != "cpu"
-    if isinstance(v, dict):
-        return any(_on_accelerator(x) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_on_accelerator(x) for x in v)
-    return False
 
 
 SnapshotOn = Literal["auto", "host", "device"]
@@ -554,166 +342,3 @@ def load_snapshot(
         raise SnapshotError(f"{p}: the header says step {step}, the payload {snap.step}")
     check_name(p, snap.step)
     return snap
-
-
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
-
-
-class SnapshotStore:
-    """The last ``keep`` snapshots of a run in ``folder``: ``snapshot-<step>.fgs``.
-
-    ``run_id``: the run whose snapshots these are (None: a store without run ids).
-    :meth:`save` stamps it in each file's header; :meth:`load_latest` skips files of
-    other runs; only the run's own files count toward ``keep`` and are removed (another
-    run's files, and files that are not snapshots, are left alone).
-
-    ``exclusive``: the store's user holds the folder's lock (see
-    :class:`~floatguard.stability.snapshot_folder.FolderLock`): no other process writes
-    there, so any temp file of another process is a leftover. Otherwise only those of
-    a writer known to be gone are (a dead pid of this host; a file from an older
-    floatguard), and two stores writing one folder never remove each other's.
-
-    :meth:`save` first removes the leftovers of interrupted saves (``.snapshot-*.tmp``;
-    never read as snapshots), writes atomically, then removes the run's oldest
-    snapshots beyond ``keep``. :meth:`load_latest` returns the newest one that
-    verifies, and says which newer ones did not and why.
-    """
-
-    def __init__(
-        self,
-        folder: str | os.PathLike[str],
-        keep: int = 2,
-        *,
-        run_id: str | None = None,
-        exclusive: bool = False,
-    ) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"SnapshotStore(keep={keep!r}) must be an int >= 1")
-        run_bytes(run_id)  # a malformed run id is refused here, not at the first save
-        self.folder = Path(folder)
-        self.keep = keep
-        self.run_id = run_id
-        self.exclusive = exclusive
-        self.freed: Path | None = None  # what the last save removed for room
-
-    def path_for(self, step: int) -> Path:
-        """``snapshot-<step>.fgs``, the step with at least 9 digits (more when it needs them)."""
-        return self.folder / f"snapshot-{step:09d}.fgs"
-
-    def paths(self) -> list[Path]:
-        """The snapshot files (of any run), newest (highest step) first."""
-        if not self.folder.is_dir():
-            return []
-        found = [(s, p) for p in self.folder.iterdir() if (s := step_of(p.name)) is not None]
-        return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
-
-    def own(self) -> list[Path]:
-        """This run's snapshot files (by their header: the run id, and the step their
-        name says), newest first."""
-        mine = []
-        for p in self.paths():
-            ident = read_identity(p)
-            if ident is None or ident[1] != self.run_id:
-                continue
-            if ident[0] is None or ident[0] == step_of(p.name):  # not a misnamed one
-                mine.append(p)
-        return mine
-
-    def leftovers(self) -> list[Path]:
-        """Temporary files of interrupted saves (never this process's own: it may be
-        writing one in another thread)."""
-        if not self.folder.is_dir():
-            return []
-        me = writer_tag()
-        out = []
-        for p in self.folder.iterdir():
-            if not p.name.startswith(".snapshot-"):
-                continue
-            m = TEMP_NAME.match(p.name)
-            tag = m.group(1) if m else None
-            if tag != me and (self.exclusive or writer_gone(tag)):
-                out.append(p)
-        return out
-
-    def save(self, snapshot: Snapshot) -> Path:
-        """Write ``snapshot`` as this run's (its run id set to the store's; the
-        snapshot given is not changed), then prune the run's files beyond ``keep``.
-        A write the disk has no room for (ENOSPC, EDQUOT) removes the run's oldest
-        snapshot that is not its newest verified one and is tried once more;
-        :attr:`freed` names the file removed (None when none was)."""
-        for p in self.leftovers():
-            p.unlink(missing_ok=True)
-        stamped = dataclasses.replace(snapshot, run_id=self.run_id)
-        self.freed = None
-        try:
-            path = stamped.save(self.path_for(snapshot.step))
-        except OSError as e:
-            if e.errno not in _NO_ROOM or (room := self._room_for(snapshot.step)) is None:
-                raise
-            room.unlink()
-            self.freed = room
-            try:
-                path = stamped.save(self.path_for(snapshot.step))  # once more
-            except OSError as again:
-                why = f"{again.strerror}, even after removing {room.name} to make room"
-                raise OSError(again.errno, why) from again
-        for old in self.own()[self.keep :]:
-            old.unlink(missing_ok=True)
-        return path
-
-    def _room_for(self, step: int) -> Path | None:
-        """The file to remove when a save finds the disk full: the run's oldest
-        snapshot, never its newest one that verifies (the resume point), nor the file
-        being written. None when there is no such file."""
-        own = self.own()
-        newest_good = None
-        for p in own:  # (the file being replaced counts: it may be the resume point)
-            try:
-                verified(p, _read_file(p))
-            except (SnapshotError, OSError):
-                continue
-            newest_good = p
-            break
-        spare = [p for p in own if p != newest_good and step_of(p.name) != step]
-        return spare[-1] if spare else None
-
-    def load_latest(
-        self, map_location: str | torch.device | None = None, *, foreign: bool = False
-    ) -> tuple[Snapshot, Path, list[tuple[Path, str]]]:
-        """(snapshot, its path, [(newer path passed over, why)]): the newest file that
-        verifies, is not misnamed, and is this run's (``foreign=True``: any run's).
-        SnapshotError when there is none, with every file's reason."""
-        bad: list[tuple[Path, str]] = []
-        expected = None if foreign else self.run_id
-        for p in self.paths():
-            try:
-                return load_snapshot(p, map_location, run_id=expected), p, bad
-            except (SnapshotError, OSError) as e:
-                bad.append((p, str(e)))
-        why = "; ".join(f"{p.name}: {e}" for p, e in bad) or "the folder holds none"
-        raise SnapshotError(f"no good snapshot in {self.folder} ({why})")
-
-    def verify_all(
-        self, *, foreign: bool = False
-    ) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
-        """([(step, path)] of the files that pass what :func:`load_snapshot` checks
-        before unpickling: header, length, SHA-256, the name's step and the run (any
-        run's with ``foreign=True``), [(path, why)] of the others), newest first. Each
-        file is read whole, one at a time; nothing is unpickled (a format 1 file's
-        step is its name's, checked against its payload when it is loaded)."""
-        good: list[tuple[int, Path]] = []
-        bad: list[tuple[Path, str]] = []
-        expected = None if foreign else self.run_id
-        for p in self.paths():
-            try:
-                step, run, _ = verified(p, _read_file(p))
-                if step is not None:
-                    check_name(p, step)
-                check_run(p, run, expected)
-            except (SnapshotError, OSError) as e:
-                bad.append((p, str(e)))
-                continue
-            named = step_of(p.name)
-            assert named is not None  # paths() lists named files only
-            good.append((named, p))
-        return good, bad
