@@ -88,7 +88,8 @@ def configuration(
 ) -> tuple[Any, ...]:
     """What every rank's guard must share (for the fingerprint): precision, policies
     (paths left out: they may differ per rank), the model's global parameter shapes."""
-    resp = {k: v for k, v in vars(response).items() if "dir" not in k}
+    per_rank = set(response.per_rank_fields())
+    resp = {k: v for k, v in vars(response).items() if k not in per_rank}
     shapes = [tuple(p.shape) for p in model.parameters()]  # DTensor: global shape
     return (precision, watch, clip, spikes, sorted(resp.items()), shapes)
 

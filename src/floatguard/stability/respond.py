@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 from floatguard.errors import FloatguardError
 from floatguard.stability.clip import ZClipConfig
@@ -189,7 +189,7 @@ class ResponsePolicy:
     max_rollbacks: int = 3
     rollback_window: int = 1000
     snapshot_every: int = 5
-    snapshot_dir: str | None = None
+    snapshot_dir: str | None = field(default=None, metadata={"per_rank": True})
     snapshot_keep: int = 2
     disk_every: int = 1
     on_snapshot_error: SnapshotErrorPolicy = "retry"
@@ -201,7 +201,7 @@ class ResponsePolicy:
     snapshot_on: SnapshotPlace = "auto"
     snapshot_budget: float | Literal["auto"] | None = "auto"
     snapshot_overlap: bool = False
-    repro_dir: str | os.PathLike[str] | None = None
+    repro_dir: str | os.PathLike[str] | None = field(default=None, metadata={"per_rank": True})
     repro_level: ReproLevel = "minimal"
     repro_keep: int = 5
 
@@ -270,3 +270,25 @@ class ResponsePolicy:
             raise ValueError(
                 f"ResponsePolicy.lr_backoff_factor={self.lr_backoff_factor!r} must be in (0, 1)"
             )
+
+    @staticmethod
+    def per_rank_fields() -> tuple[str, ...]:
+        """The fields each rank may set differently (its own folders: the field's
+        ``per_rank`` metadata); the others must match across ranks (the guard's
+        configuration fingerprint compares them)."""
+        return tuple(f.name for f in fields(ResponsePolicy) if f.metadata.get("per_rank"))
+
+    @classmethod
+    def durable(cls, snapshot_dir: str | os.PathLike[str], **overrides: Any) -> ResponsePolicy:
+        """Every snapshot also on disk in ``snapshot_dir``, three kept, and a write that
+        fails stops the step (``on_snapshot_error="raise"``): a run that must be able to
+        resume from its newest snapshot after a crash."""
+        base = {"snapshot_dir": str(snapshot_dir), "snapshot_keep": 3, "disk_every": 1,
+                "on_snapshot_error": "raise"}  # fmt: skip
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def debugging(cls, repro_dir: str | os.PathLike[str], **overrides: Any) -> ResponsePolicy:
+        """For finding a bug: every distinct fault and spike written as a whole-step
+        repro bundle to ``repro_dir`` (``floatguard repro`` re-runs it)."""
+        return cls(**{"repro_dir": repro_dir, "repro_level": "step", **overrides})
