@@ -178,3 +178,47 @@ def test_the_event_log_never_waits_on_a_fifo(tmp_path: Path) -> None:
     assert out["devnull"] is None
     (stalled,) = out["stalled"]  # the writes stop, training does not
     assert "its reader is not reading" in stalled and out["kept"] == 5000
+
+
+PADDED = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    from pathlib import Path
+    from floatguard.stability._snapshot_file import encode_header
+    from floatguard.stability.snapshot import load_snapshot
+    from floatguard.repro.bundle import MAGIC, _HEADER, load_bundle
+    where = Path(sys.argv[1])
+    out = {}
+    snap = where / "snapshot-000000099.fgs"
+    with open(snap, "wb") as fh:
+        fh.write(encode_header(99, None, b"x" * 16) + b"x" * 16)
+        fh.truncate(2 << 30)  # sparse: 2 GiB the header does not declare
+    bundle = where / "repro.fgr"
+    with open(bundle, "wb") as fh:
+        fh.write(MAGIC + _HEADER.pack(16, bytes(32)) + b"x" * 16)
+        fh.truncate(2 << 30)
+    for name, load in (("snapshot", lambda: load_snapshot(snap)),
+                       ("bundle", lambda: load_bundle(bundle))):
+        try:
+            load()
+        except ValueError as e:
+            out[name] = str(e)
+    out["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_file_padded_past_its_header_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A snapshot or repro bundle whose size is not what its header declares (a
+    sparse 2 GiB file declaring 16 bytes) is refused from its header and size: no
+    gigabytes read into memory first."""
+    done = subprocess.run(
+        [sys.executable, "-c", PADDED, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "truncated or padded snapshot" in out["snapshot"]
+    assert "truncated or padded repro bundle" in out["bundle"]
+    assert out["max_rss_mb"] < 1024, out  # (reading it whole: over 2 GiB)

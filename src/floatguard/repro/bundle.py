@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from floatguard._safe_io import NotRegularFile, read_regular
+from floatguard._safe_io import NotRegularFile, open_regular
 from floatguard.errors import FloatguardError
 from floatguard.repro.ops import assign, decode, finite_level, op_named
 
@@ -97,9 +97,21 @@ def save_bundle(payload: dict[str, Any], path: str | os.PathLike[str]) -> tuple[
 
 
 def _read_regular(path: Path) -> bytes:
-    """The bytes of a regular file, opened without blocking, read up to its size."""
-    try:
-        return read_regular(path)
+    """The bytes of a regular file, opened without blocking, read only when its size is
+    what its header declares."""
+    try:  # the header's length against the real size first: a padded file is not read
+        with open_regular(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(len(MAGIC) + _HEADER.size)
+            if not head.startswith(MAGIC) or len(head) < len(MAGIC) + _HEADER.size:
+                return head  # _verified says why
+            length = _HEADER.unpack_from(head, len(MAGIC))[0]
+            if len(head) + length != size:
+                raise ReproError(
+                    f"{path}: truncated or padded repro bundle ({size - len(head)} payload "
+                    f"bytes, the header says {length})"
+                )
+            return head + fh.read(size - len(head))
     except FileNotFoundError:
         raise ReproError(f"{path}: no such file") from None
     except NotRegularFile:

@@ -99,6 +99,20 @@ def read_identity(path: str | os.PathLike[str]) -> tuple[int | None, str | None]
     return step, (run.hex() if run != _NO_RUN else None)
 
 
+HEAD_BYTES = len(MAGIC) + _HEADER.size  # enough for either format's header
+
+
+def declared(head: bytes) -> tuple[int, int] | None:
+    """(header bytes, payload bytes) a file starting with ``head`` says it holds; None
+    when ``head`` is no snapshot header (or is cut short)."""
+    header = (
+        _HEADER if head.startswith(MAGIC) else _HEADER_V1 if head.startswith(_MAGIC_V1) else None
+    )
+    if header is None or len(head) < len(MAGIC) + header.size:
+        return None
+    return len(MAGIC) + header.size, header.unpack_from(head, len(MAGIC))[0]
+
+
 def verified(p: Path, raw: bytes) -> tuple[int | None, str | None, memoryview]:
     """(header step, header run id, payload) of a file whose length and checksum
     verify; step and run id None for format 1. SnapshotError otherwise."""

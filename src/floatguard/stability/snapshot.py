@@ -48,14 +48,16 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from floatguard._safe_io import NotRegularFile, read_regular
+from floatguard._safe_io import NotRegularFile, open_regular
 from floatguard.stability._host_copy import HostCopy
 from floatguard.stability._process import writer_tag
 from floatguard.stability._snapshot_file import (
+    HEAD_BYTES,
     ForeignSnapshotError,
     SnapshotError,
     check_name,
     check_run,
+    declared,
     encode_header,
     read_identity,
     step_of,
@@ -289,10 +291,22 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _read_file(p: Path) -> bytes:
-    """A snapshot file's bytes: without blocking, a regular file only, no further than
-    its size (a FIFO, a device or a directory named like a snapshot is SnapshotError)."""
-    try:
-        return read_regular(p)
+    """A snapshot file's bytes: without blocking, a regular file only, read only when its
+    size is what its header declares (a FIFO, a device or a directory named like a
+    snapshot, or a file truncated or padded, is SnapshotError before it is read)."""
+    try:  # the header's length against the real size first: a padded file is not read
+        with open_regular(p) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(HEAD_BYTES)
+            says = declared(head)
+            if says is None:
+                return head  # no snapshot header: verified() says why
+            if says[0] + says[1] != size:
+                raise SnapshotError(
+                    f"{p}: truncated or padded snapshot ({size - says[0]} payload bytes, the "
+                    f"header says {says[1]})"
+                )
+            return head + fh.read(size - len(head))
     except FileNotFoundError:
         raise FileNotFoundError(f"no snapshot at {p}") from None
     except NotRegularFile as e:
