@@ -548,3 +548,29 @@ def test_a_directory_in_the_way_of_an_output_is_named(
     line = _one_red_line(err)
     assert code == 2 and f"cannot write '{out / name}'" in line, line
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_the_demo_probes_its_folder_with_a_new_file(tmp_path: Path) -> None:
+    """A link or a FIFO planted under any name in --out is never written through or
+    opened: the write probe is a new temp file (issue 39, second hostile pass)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".floatguard-write-test").symlink_to(victim)
+    os.mkfifo(out / ".floatguard-write-test.fifo")
+    log = cli._demo_log(out, force=False)
+    assert log == out / "events.jsonl" and victim.read_text() == "precious"
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".floatguard-write-test", ".floatguard-write-test.fifo",
+    ]  # fmt: skip
+
+
+def test_the_demo_names_a_folder_where_its_log_or_out_should_be(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "a" / "events.jsonl").mkdir(parents=True)
+    (tmp_path / "file").write_text("x")
+    for out, words in ((tmp_path / "a", "is a folder"), (tmp_path / "file", "is a file")):
+        code, _, err = _main(capsys, "demo", "--out", str(out), "--steps", "60", "--force")
+        assert code == 2 and words in _one_red_line(err)

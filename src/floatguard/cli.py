@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -275,17 +276,24 @@ def _demo_log(out: Path, force: bool) -> Path:
     """``out/events.jsonl``, ready to be written: the folder made and probed with a
     byte; a log already there (an earlier run's) refused unless ``force``."""
     log = out / "events.jsonl"
+    if log.is_dir() and not log.is_symlink():
+        raise _fail(f"{str(log)!r} is a folder; remove it, or choose another --out")
     try:
         if (log.exists() or log.is_symlink()) and not force:
             raise _fail(
                 f"{str(log)!r} holds an earlier run's event log; pass --force to replace "
                 "it, or choose another --out"
             )
+        if out.exists() and not out.is_dir():
+            raise _fail(f"--out {str(out)!r} is a file, not a folder; choose a folder")
         out.mkdir(parents=True, exist_ok=True)
-        log.unlink(missing_ok=True)
-        probe = out / ".floatguard-write-test"
-        probe.write_text("x")  # a byte: a full disk refuses it now, not mid-run
-        probe.unlink()
+        log.unlink(missing_ok=True)  # a link there: the link goes, not what it names
+        fd, probe = tempfile.mkstemp(prefix=".floatguard-write-test.", dir=out)  # a new file
+        try:
+            os.write(fd, b"x")  # a byte: a full disk refuses it now, not mid-run
+        finally:
+            os.close(fd)
+            os.unlink(probe)
     except OSError as e:
         raise _fail(f"--out {str(out)!r} is not a writable folder ({e.strerror or e})") from None
     return log
