@@ -328,3 +328,23 @@ def test_a_full_disk_frees_room_when_the_step_resumed_from_is_rewritten(
     written = [(e["step"], Path(str(e["freed"])).name if e["freed"] else None)
                for e in _events(log, "snapshot") if e["where"] != "memory"]  # fmt: skip
     assert written[0] == (8, "snapshot-000000006.fgs"), written
+
+
+@pytest.mark.parametrize(
+    "name", ["", "floatguard.lock", "floatguard-run.json", "snapshot-000000004.fgs"]
+)
+def test_an_event_log_among_the_guards_own_files_is_refused(tmp_path: Path, name: str) -> None:
+    """The log inside snapshot_dir under a name the store owns (or the folder itself)
+    would be replaced or removed, events and all: refused at construction."""
+    folder = tmp_path / "snaps"
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = floatguard.ResponsePolicy(snapshot_dir=folder)
+    log = folder / name if name else folder
+    with pytest.raises(ValueError, match="the guard writes and removes its own files there"):
+        floatguard.Guard(model, opt, log=log, response=policy)
+    assert not folder.exists()  # refused before anything was made
+    floatguard.Guard(model, opt, log=folder / "events.jsonl", response=policy).close()
+    repro = floatguard.ResponsePolicy(repro_dir=tmp_path / "bundles")
+    with pytest.raises(ValueError, match="repro_dir"):
+        floatguard.Guard(model, opt, log=tmp_path / "bundles" / "x.fgr", response=repro)

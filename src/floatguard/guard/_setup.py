@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
@@ -108,3 +111,33 @@ def world_size_of(distributed: bool, group: Any) -> int:
     import torch.distributed as dist
 
     return int(dist.get_world_size(group))
+
+
+_RESERVED = re.compile(r"^(floatguard\.lock|floatguard-run\.json|snapshot-\d+\.fgs|\.snapshot-.*)$")
+
+
+def check_log_path(log: str | os.PathLike[str] | None, response: Any) -> None:
+    """ValueError when the event log would be one of the guard's own files: the
+    snapshot folder itself, or a name the snapshot store owns there (the lock, the
+    identity file, a snapshot, a temp file), or a repro bundle's name (each would be
+    replaced or removed, and the events with it)."""
+    if log is None:
+        return
+    where = Path(os.path.abspath(log)).resolve()
+    for option, folder in (
+        ("snapshot_dir", response.snapshot_dir),
+        ("repro_dir", response.repro_dir),
+    ):
+        if folder is None:
+            continue
+        home = Path(os.path.abspath(folder)).resolve()
+        owned = where.parent == home and (
+            _RESERVED.match(where.name) is not None
+            or (option == "repro_dir" and where.suffix == ".fgr")
+        )
+        if where == home or owned:
+            raise ValueError(
+                f"log={str(log)!r} is {'the' if where == home else 'a file of the'} "
+                f"{option} ({folder}): the guard writes and removes its own files there; "
+                "give the event log another name, e.g. beside the folder"
+            )

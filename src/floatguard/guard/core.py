@@ -27,7 +27,13 @@ from torch import nn
 from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.events import EventLog
 from floatguard.guard import policy
-from floatguard.guard._setup import check_args, configuration, rank_of, world_size_of
+from floatguard.guard._setup import (
+    check_args,
+    check_log_path,
+    configuration,
+    rank_of,
+    world_size_of,
+)
 from floatguard.guard.act import Actor
 from floatguard.guard.batch_id import BatchInputs
 from floatguard.guard.channel import ReadChannel
@@ -162,6 +168,7 @@ class Guard(GuardPersistence):
         self._scaler = (
             scaler if scaler is not None else DynamicLossScaler(enabled=precision == "fp16")
         )
+        check_log_path(log, self._response)  # never one of the guard's own files
         # collaborators
         self._events = EventLog(log, rank=rank_of(self._distributed, process_group))
         self._emit = GuardEvents(self._events)
