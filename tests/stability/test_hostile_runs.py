@@ -348,3 +348,57 @@ def test_an_event_log_among_the_guards_own_files_is_refused(tmp_path: Path, name
     repro = floatguard.ResponsePolicy(repro_dir=tmp_path / "bundles")
     with pytest.raises(ValueError, match="repro_dir"):
         floatguard.Guard(model, opt, log=tmp_path / "bundles" / "x.fgr", response=repro)
+
+
+@pytest.mark.parametrize(
+    "owner",
+    ['{"pid": 7, "host": "h", "since": "yesterday"}', '{"since": null}', '{"since": [1]}',
+     '{"since": 1e300}', "[" * 4000, '{"pid": "' + "x" * 3000 + '"}'],
+)  # fmt: skip
+def test_a_planted_lock_file_of_any_content_is_taken_over(tmp_path: Path, owner: str) -> None:
+    folder = tmp_path / "snaps"
+    folder.mkdir()
+    (folder / "floatguard.lock").write_text(owner)
+    log = tmp_path / "run.jsonl"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(folder, 6, 0, log)
+    if owner.startswith("{"):  # what it says of its holder is shown, whatever it holds
+        assert any("took over the lock" in str(w.message) for w in caught)
+    assert not _events(log, "snapshot_error")
+    assert sorted(p.name for p in folder.glob("snapshot-*.fgs")) == [
+        "snapshot-000000000.fgs", "snapshot-000000005.fgs",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "run_id", ["AB" * 16, "_" + "a" * 31, " " + "a" * 31, "+" + "a" * 31, "[" * 5000]
+)
+def test_an_identity_file_with_a_malformed_run_id_is_unreadable_not_fatal(
+    tmp_path: Path, run_id: str
+) -> None:
+    folder = tmp_path / "snaps"
+    _run(folder, 16, 0, tmp_path / "run.jsonl")
+    mine = read_run_id(folder)
+    bad = run_id if run_id.startswith("[") else json.dumps({"run_id": run_id})
+    (folder / "floatguard-run.json").write_text(bad)
+    with pytest.warns(RuntimeWarning, match="is unreadable"):
+        _, step = _resume(folder, tmp_path / "resume.jsonl")
+    assert step == 15  # the run told from the snapshots' headers
+    (resume,) = _events(tmp_path / "resume.jsonl", "resume")
+    assert resume["run_id"] == mine
+
+
+def test_only_a_saves_own_temp_files_are_cleaned_up(tmp_path: Path) -> None:
+    """A user's `.snapshot-...` file or folder in the snapshot folder is not a leftover."""
+    folder = tmp_path / "snaps"
+    (folder / ".snapshot-cache").mkdir(parents=True)
+    (folder / ".snapshot-notes.txt").write_text("mine")
+    leftover = folder / ".snapshot-000000003.fgs.abc123.tmp"  # an interrupted save's
+    leftover.write_bytes(b"half")
+    log = tmp_path / "run.jsonl"
+    _run(folder, 11, 0, log)
+    assert not _events(log, "snapshot_error")
+    assert (folder / ".snapshot-cache").is_dir()
+    assert (folder / ".snapshot-notes.txt").read_text() == "mine"
+    assert not leftover.exists()

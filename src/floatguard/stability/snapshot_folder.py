@@ -23,6 +23,7 @@ import errno
 import gc
 import json
 import os
+import re
 import stat
 import sys
 import time
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 IDENTITY_FILE = "floatguard-run.json"
+_RUN_ID = re.compile(r"[0-9a-f]{32}")  # what new_run_id() makes: uuid4().hex
 LOCK_FILE = "floatguard.lock"
 
 # The locks this process holds, by folder: a second guard of this process on a folder
@@ -74,14 +76,20 @@ def _read_owner(fd: int) -> dict[str, Any] | None:
         os.lseek(fd, 0, os.SEEK_SET)
         raw = os.read(fd, 4096)
         owner = json.loads(raw.decode()) if raw else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, not JSON, nested too deep
         return None
     return owner if isinstance(owner, dict) else None
 
 
 def _who(owner: dict[str, Any]) -> str:
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(owner.get("since", 0))))
-    return f"pid {owner.get('pid')} on host {owner.get('host')}, since {since}"
+    """The holder in words; what a lock file says is a stranger's data: any value is
+    shown, none is trusted to be a number."""
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(owner.get("since", 0))))
+    except (TypeError, ValueError, OverflowError, OSError):
+        since = "an unknown time"
+    pid, host = str(owner.get("pid"))[:40], str(owner.get("host"))[:80]
+    return f"pid {pid} on host {host}, since {since}"
 
 
 def _mine(owner: dict[str, Any] | None) -> bool:
@@ -309,9 +317,9 @@ def read_run_id(folder: str | os.PathLike[str]) -> str | None:
         raw = ""
     try:
         run = json.loads(raw)["run_id"]
-        if isinstance(run, str) and len(run) == 32 and int(run, 16) >= 0:
+        if isinstance(run, str) and _RUN_ID.fullmatch(run):
             return run
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         pass
     if _warned_once(f"unreadable {path.resolve()}"):
         warnings.warn(

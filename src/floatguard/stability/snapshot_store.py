@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -28,6 +29,10 @@ from floatguard.stability._snapshot_file import (
 from floatguard.stability.snapshot import Snapshot, _read_file, load_snapshot
 
 __all__ = ["SnapshotStore"]
+
+# A save's temp file: ``.snapshot-<step>.fgs.<writer tag>.<random>.tmp`` (older
+# floatguards: ``.snapshot-<step>.fgs.<random>.tmp``).
+_ANY_TEMP = re.compile(r"^\.snapshot-\d+\.fgs\.[^/]*\.tmp$")
 
 
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
@@ -101,8 +106,8 @@ class SnapshotStore:
         me = writer_tag()
         out = []
         for p in self.folder.iterdir():
-            if not p.name.startswith(".snapshot-"):
-                continue
+            if not _ANY_TEMP.match(p.name) or not p.is_file() or p.is_symlink():
+                continue  # only a save's temp file (any floatguard's), never a user's
             m = TEMP_NAME.match(p.name)
             tag = m.group(1) if m else None
             if tag != me and (self.exclusive or writer_gone(tag)):
