@@ -526,6 +526,29 @@ def _without_nuls(raw: bytes, where: str) -> bytes:
     return head
 
 
+MAX_LINE = 64 << 20  # no event comes near it (a stats sample of a large model: ~1 MiB)
+
+
+def _bounded_lines(fh: IO[bytes]) -> Iterator[tuple[bytes | None, int]]:
+    """(line, its size) for each line of ``fh``; (None, size) for a line longer than
+    :data:`MAX_LINE`, which is read past in chunks and never held whole."""
+    while True:
+        raw = fh.readline(MAX_LINE + 1)
+        if not raw:
+            return
+        if len(raw) <= MAX_LINE or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        del raw
+        while True:
+            more = fh.readline(1 << 20)
+            size += len(more)
+            if not more or more.endswith(b"\n"):
+                break
+        yield None, size
+
+
 def read_events(
     path: str | os.PathLike[str],
     *,
@@ -549,17 +572,29 @@ def read_events(
     read, reported = 0, 0
     with open_regular(path) as fh:  # a FIFO or a device: NotRegularFile, never a hang
         total = os.fstat(fh.fileno()).st_size
-        for n, raw in enumerate(fh, 1):
-            read += len(raw)
+        for n, (raw, size) in enumerate(_bounded_lines(fh), 1):
+            read += size
             if progress is not None and read - reported >= 4 << 20:
                 progress(read, total)
                 reported = read
+            where = f"{path}:{n}"
+            if raw is None:  # longer than any event: read past in chunks, never held
+                e = _TornLine(
+                    f"{where}: a line of {size} bytes, over the {MAX_LINE >> 20} MiB any event "
+                    "takes (a file cut and zero-filled, or not an event log)"
+                )
+                if strict:
+                    raise e
+                if errors is not None:
+                    errors.append(f"{e}; skipped")
+                else:
+                    warnings.warn(f"{e}; skipped", RuntimeWarning, stacklevel=2)
+                continue
             raw = raw.rstrip(b"\r\n")
             if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a BOM (an editor's)
                 raw = raw[3:]
             if not raw.strip():
                 continue
-            where = f"{path}:{n}"
             try:
                 if b"\x00" in raw:
                     raw = _without_nuls(raw, where)

@@ -222,3 +222,38 @@ def test_a_file_padded_past_its_header_is_refused_before_it_is_read(tmp_path: Pa
     assert "truncated or padded snapshot" in out["snapshot"]
     assert "truncated or padded repro bundle" in out["bundle"]
     assert out["max_rss_mb"] < 1024, out  # (reading it whole: over 2 GiB)
+
+
+LONG_LINE = textwrap.dedent(
+    """
+    import json, resource, sys, warnings
+    from floatguard.events import EventLog, read_events
+    path = sys.argv[1]
+    log = EventLog(path)
+    for i in range(3):
+        log.emit("snapshot", i, where="memory", freed=None)
+    log.close()
+    with open(path, "ab") as fh:
+        fh.truncate(fh.tell() + (400 << 20))  # a zero-filled tail of 400 MiB, no newline
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        events = list(read_events(path))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"events": len(events), "grew_mb": after - before,
+                      "warnings": [str(w.message) for w in caught]}))
+    """
+)
+
+
+def test_a_line_longer_than_any_event_is_skipped_without_holding_it(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", LONG_LINE, str(tmp_path / "events.jsonl")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["events"] == 3
+    (warning,) = out["warnings"]
+    assert f"a line of {400 << 20} bytes" in warning and "skipped" in warning
+    assert out["grew_mb"] < 200, out  # one bounded buffer, not the 400 MiB line
