@@ -438,6 +438,27 @@ def test_the_script_never_writes_through_a_link(
     assert "torch.load" in (tmp_path / "repro.py").read_text()
 
 
+def test_the_script_never_replaces_a_users_pt_file(
+    runs: dict[str, sc.Outcome], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--script model.py beside a user's model.pt (a checkpoint): refused in one line,
+    the checkpoint kept; an earlier repro's script and tensors are replaced."""
+    path = str(runs["forward_op"].bundles[0])
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"a user's weights")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["repro", path, "--script", str(tmp_path / "model.py")])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert info.value.code == 2 and len(err) == 1 and "model.pt exists" in err[0]
+    assert checkpoint.read_bytes() == b"a user's weights"
+    assert not (tmp_path / "model.py").exists()
+    for _ in range(2):  # a repro written twice: the second replaces the first
+        with pytest.raises(SystemExit) as info:
+            cli.main(["repro", path, "--script", str(tmp_path / "repro.py")])
+        capsys.readouterr()
+        assert info.value.code in (0, 1)
+
+
 def test_a_mask_made_before_the_birth_is_not_a_birth() -> None:
     """A tape whose ops make a -inf from finite inputs (T5's log of a zero relative
     position) before the birth: the re-run names the birth, not the mask."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from floatguard._safe_io import replacing
+from floatguard._safe_io import read_regular, replacing
 from floatguard.repro.bundle import ReproBundle, ReproError
 from floatguard.repro.ops import _DTYPES, _FORMATS, _LAYOUTS, op_named
 
@@ -315,6 +315,18 @@ def _class_step_missing(module: dict[str, Any], fault: dict[str, Any]) -> str | 
     return None
 
 
+_FIRST_LINES = b'#!/usr/bin/env python3\n"""Repro of '
+
+
+def _ours(script: Path) -> bool:
+    """Whether ``script`` is a repro script :func:`write_script` wrote (its first line
+    and docstring), so the tensors beside it are an earlier repro's too."""
+    try:
+        return read_regular(script, len(_FIRST_LINES)) == _FIRST_LINES
+    except OSError:
+        return False
+
+
 def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write ``bundle`` as a standalone script at ``path`` and its tensors beside it
     (``path`` with the suffix ``.pt``); the two paths. :class:`ReproError` when the
@@ -328,6 +340,12 @@ def write_script(bundle: ReproBundle, path: str | os.PathLike[str]) -> tuple[Pat
     for target in (script, data):  # (a link there is replaced below, never written through)
         if not target.is_symlink() and target.exists() and not target.is_file():
             raise ReproError(f"--script {path}: {target} exists and is not a regular file")
+    if data.is_file() and not data.is_symlink() and not _ours(script):
+        raise ReproError(
+            f"--script {path}: {data} exists and is not an earlier repro's tensors (the "
+            "script beside it is not a repro script); name the script otherwise "
+            "(--script repro.py) so nothing of yours is replaced"
+        )
     p = bundle.payload
     fault = bundle.fault or {}
     spike = bundle.spike
