@@ -326,8 +326,9 @@ class SnapshotKeeper:
                 f"snapshot_dir {store.folder} holds the snapshots of another run ({found}: "
                 f"{names}); this guard did not resume() "
                 f"it and starts run {self.run_id} there. resume() will pass over that "
-                "run's files (snapshot_fallback) and they are never pruned: call "
-                "guard.resume() to continue that run, or give a new run an empty folder"
+                "run's files (snapshot_fallback) and they are never pruned, but a file of "
+                "a step this run also snapshots is replaced: call guard.resume() to "
+                "continue that run, or give a new run an empty folder"
             )
             warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=2)
             self.events.warning(step, message, 0)
