@@ -147,8 +147,9 @@ def test_a_new_run_in_a_used_folder_takes_it_over_with_a_warning(tmp_path: Path)
         f"snapshot_dir {folder} holds the snapshots of another run ({run_a}: "
         "snapshot-000000015.fgs, snapshot-000000010.fgs, snapshot-000000005.fgs); this "
         f"guard did not resume() it and starts run {run_b} there. resume() will pass over "
-        "that run's files (snapshot_fallback) and they are never pruned: call "
-        "guard.resume() to continue that run, or give a new run an empty folder"
+        "that run's files (snapshot_fallback) and they are never pruned, but a file of a "
+        "step this run also snapshots is replaced: call guard.resume() to continue that "
+        "run, or give a new run an empty folder"
     )
     assert [str(w.message) for w in caught] == [f"floatguard: {message}"]
     (event,) = guard.events.of_kind("warning")
