@@ -98,7 +98,12 @@ def _out_dir(value: str, option: str = "--out") -> Path:
     folder, and a demo would then replace ./events.jsonl without a word)."""
     if not value.strip():
         raise _fail(f"{option} is empty; give a folder, e.g. {option} floatguard-demo")
-    return Path(value)
+    folder = Path(value)
+    if folder.is_symlink() and not folder.exists():
+        raise _fail(f"{option} {value!r} is a broken link; give a folder")
+    if folder.exists() and not folder.is_dir():
+        raise _fail(f"{option} {value!r} is a file, not a folder; give a folder")
+    return folder
 
 
 def _num(v: float | None) -> str:

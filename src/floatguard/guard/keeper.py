@@ -228,6 +228,10 @@ class SnapshotKeeper:
         store = self.store
         assert store is not None
         try:
+            if store.folder.is_symlink() and not store.folder.exists():
+                raise SnapshotError(f"snapshot_dir {store.folder} is a broken link")
+            if store.folder.exists() and not store.folder.is_dir():
+                raise SnapshotError(f"snapshot_dir {store.folder} is a file, not a folder")
             self._check_lock(step)
             self._claim()
             self._own_folder(step, store)
