@@ -34,19 +34,29 @@ all-gathers, the model's own) ends at the process group's own timeout
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
+from floatguard.guard.peer_words import (
+    _MISSING,
+    PREFIX,
+    _Failure,
+    _finished_text,
+    _new_group,
+    _timed_out,
+    _Why,
+    backend_words,
+    collective_error,
+    ranks_text,
+)
 
 __all__ = ["BARRIER_S", "PREFIX", "Peers", "collective_error", "ranks_text"]
 
@@ -54,84 +64,7 @@ BARRIER_S = 5.0  # the longest the monitored barrier after a failure waits
 _SETTLE_S = 1.0  # guard.finish() waits this long for the peers' finishes before release
 _RECORD_BYTES = 2048  # one rank's record in a bad-step all-gather
 _NOTE_CHARS = 700  # a message kept in a note
-PREFIX = re.compile(r"^rank \d+ stops(?: at guard step -?\d+)?: ")  # a message's "who stops"
-_CALLBACK = re.compile(r"(Got the following error when running the callback: \w+: )+")
 _REGION = "a collective of the forward or backward"  # one the guard does not own
-_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
-
-
-def ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def collective_error(e: BaseException) -> bool:
-    """Whether an error out of a forward or backward is a collective's (a lost or silent peer)."""
-    return isinstance(e, RuntimeError) and (_timed_out(e) or any(
-        s in str(e).lower() for s in ("connection closed", "connection reset", "broken pipe",
-                                      "pair closure", "gloo", "nccl")
-    ))  # fmt: skip
-
-
-def _timed_out(e: BaseException) -> bool:
-    """gloo's "Timed out waiting 2000ms for recv", "Application timeout caused pair closure"."""
-    text = str(e).lower()
-    return "timed out" in text or "timeout" in text
-
-
-def backend_words(error: BaseException) -> str:
-    """gloo's "[.../pair.cc:553] Connection closed by peer [addr]. This is ...": the words."""
-    text = _CALLBACK.sub("", str(error))  # DDP's future wraps it, once per .then()
-    first = text.splitlines()[0] if text else type(error).__name__
-    return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]
-
-
-def _finished_text(me: int, doing: str, step: int, peer: int, steps: int, how: str) -> str:
-    return (
-        f"rank {me} {doing} guard step {step}, but rank {peer} finished after {steps} guard "
-        f"steps ({how}): the ranks took different numbers of guard steps (a rank skipped or "
-        "added a guard.step() call, or had more batches than another: give every rank the "
-        "same number of batches, e.g. DistributedSampler(drop_last=True))"
-    )
-
-
-_Why = tuple[type[DistributedStop], str, tuple[int, ...]]  # a failure's class, words, ranks
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """What this rank stops with (raised anew each time)."""
-
-    cls: type[DistributedStop]
-    message: str
-    ranks: tuple[int, ...] = ()
-    step: int | None = None
-
-    def error(self) -> DistributedStop:
-        return self.cls(self.message, ranks=self.ranks, step=self.step)
-
-
-def _new_group(
-    ranks: list[int], limit: timedelta | None, backend: str, *, world: bool, need: bool = True
-) -> Any:
-    """A process group of ``ranks`` (``world``: every rank of the job is in it, and every
-    rank builds its guard together, so torch names it by its counter; else only its
-    ranks take part, and torch names it by its ranks: one such group at a time).
-    ``need``: a failure raises; else it is warned about and None returned."""
-    import torch.distributed as dist
-
-    try:
-        return dist.new_group(
-            ranks, timeout=limit, backend=backend, use_local_synchronization=not world
-        )
-    except (RuntimeError, ValueError) as e:  # a torch built without gloo; a name taken
-        if need:
-            raise
-        warnings.warn(
-            f"floatguard: no {backend} side group ({e}): a failure's silent ranks are named "
-            "by the store alone, without torch.distributed.monitored_barrier",
-            stacklevel=5,
-        )
-        return None
 
 
 class Peers:
