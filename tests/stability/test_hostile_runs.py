@@ -402,3 +402,13 @@ def test_only_a_saves_own_temp_files_are_cleaned_up(tmp_path: Path) -> None:
     assert (folder / ".snapshot-cache").is_dir()
     assert (folder / ".snapshot-notes.txt").read_text() == "mine"
     assert not leftover.exists()
+
+
+def test_a_link_loop_is_a_snapshot_error(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    model = nn.Linear(2, 1)
+    g = floatguard.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(floatguard.SnapshotError, match="link loop"):
+        g.resume(tmp_path / "a")
+    g.close()

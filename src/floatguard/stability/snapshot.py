@@ -35,6 +35,7 @@ Reading order: :class:`Snapshot`, :func:`load_snapshot`, :class:`SnapshotStore`.
 from __future__ import annotations
 
 import copy
+import errno
 import io
 import os
 import random
@@ -313,6 +314,12 @@ def _read_file(p: Path) -> bytes:
         raise SnapshotError(f"{e}: not a snapshot") from None
     except IsADirectoryError:
         raise SnapshotError(f"{p} is a directory, not a snapshot") from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise SnapshotError(
+            f"{p} is a link loop (links naming each other), not a snapshot"
+        ) from None
 
 
 def load_snapshot(
