@@ -1,7 +1,6 @@
 """What to do when numbers go wrong: clipping, spike detection, responses, snapshots."""
 
 from floatguard.stability.clip import (
-    WindowedZClip,
     ZClip,
     ZClipConfig,
     clip_grad_norm_,
@@ -12,6 +11,7 @@ from floatguard.stability.snapshot import Snapshot, SnapshotError, load_snapshot
 from floatguard.stability.snapshot_store import SnapshotStore
 from floatguard.stability.spikes import LossSpikeHandler, RobustSpikeDetector
 from floatguard.stability.trend import TrendAlarm, TrendPolicy, TrendWatch
+from floatguard.stability.zclip_windowed import WindowedZClip
 
 __all__ = [
     "ClipPolicy",
