@@ -297,6 +297,19 @@ class SnapshotKeeper:
             if self.store is not None:
                 self.store.exclusive = True
 
+    def _warn(
+        self,
+        step: int,
+        message: str,
+        code: str | None,
+        *,
+        stacklevel: int,
+        transients: int | None = None,
+    ) -> None:
+        """A RuntimeWarning on stderr and the same words as a ``warning`` event."""
+        warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=stacklevel + 1)
+        self.events.warning(step, message, transients, code=code)
+
     def _check_lock(self, step: int) -> None:
         """Before a write: the folder's lock file must still be the one this guard holds.
         One removed or replaced while held is taken again (a warning and an event), so a
@@ -314,8 +327,7 @@ class SnapshotKeeper:
             "guard held it (by hand, or a cleaner of old files); taken again. Another "
             "guard may have written there meanwhile: give each run its own snapshot_dir"
         )
-        warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=4)
-        self.events.warning(step, message, code="lock_lost")
+        self._warn(step, message, code="lock_lost", stacklevel=4)
 
     def _own_folder(self, step: int, store: SnapshotStore) -> None:
         """Make the folder this run's before writing there; a guard that did not resume
@@ -334,8 +346,7 @@ class SnapshotKeeper:
                 "a step this run also snapshots is replaced: call guard.resume() to "
                 "continue that run, or give a new run an empty folder"
             )
-            warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=2)
-            self.events.warning(step, message, 0)
+            self._warn(step, message, code=None, transients=0, stacklevel=2)
         try:
             write_run_id(store.folder, self.run_id)
         except OSError as e:  # a directory by that name: the snapshots still carry the run
@@ -348,8 +359,7 @@ class SnapshotKeeper:
                     "snapshots are written without it (each one's header names the run, "
                     "which is what resume() then goes by): remove what is in its place"
                 )
-                warnings.warn(f"floatguard: {message}", RuntimeWarning, stacklevel=2)
-                self.events.warning(step, message, code="identity_unwritable")
+                self._warn(step, message, code="identity_unwritable", stacklevel=2)
 
     def close(self) -> None:
         """Let go of the snapshot folder's lock (taken again at the next write)."""
@@ -448,8 +458,7 @@ class SnapshotKeeper:
         for p, why in bad:
             self.events.snapshot_fallback(step, str(p), why, str(used))
         for code, note in self._notes:
-            warnings.warn(f"floatguard: {note}", RuntimeWarning, stacklevel=3)
-            self.events.warning(step, note, code=code)
+            self._warn(step, note, code, stacklevel=2)
         self._notes = []
 
     @staticmethod
