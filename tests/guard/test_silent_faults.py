@@ -68,7 +68,7 @@ def test_the_lost_fraction_is_what_rounding_loses() -> None:
     torch.manual_seed(0)
     model = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    from floatguard.guard.stall import StallWatch
+    from floatguard.stability.stall import StallWatch
 
     watch = StallWatch(opt, {id(model.weight): "w"}, every=1, window=1, threshold=0.0)
     x = torch.randn(8, 64).to(torch.bfloat16)

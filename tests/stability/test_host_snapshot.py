@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from floatguard import Guard, ResponsePolicy
-from floatguard.guard.cadence import MAX_INTERVAL, SnapshotCadence
 from floatguard.stability._host_copy import HostCopy
 from floatguard.stability.snapshot import Snapshot
+from floatguard.stability.snapshot_cadence import MAX_INTERVAL, SnapshotCadence
 
 
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:

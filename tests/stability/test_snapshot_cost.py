@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from floatguard import Guard, ResponsePolicy
-from floatguard.guard.cadence import MAX_INTERVAL
 from floatguard.guard.locate import FLOOR, IMPLAUSIBLE, JUMP, all_clean
 from floatguard.stability.snapshot import Snapshot, load_snapshot
+from floatguard.stability.snapshot_cadence import MAX_INTERVAL
 
 
 def _setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:

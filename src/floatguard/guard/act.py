@@ -13,16 +13,17 @@ import torch
 from floatguard.guard import policy
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import StepVerdict
-from floatguard.guard.keeper import SnapshotKeeper
+from floatguard.guard.persist import RunState
 from floatguard.guard.read import StepRead, StepReader
-from floatguard.guard.stall import StallWatch
 from floatguard.guard.types import Action
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clipper import Clipper
 from floatguard.stability.respond import GuardStopped, ResponsePolicy
+from floatguard.stability.snapshot_keeper import SnapshotKeeper
 from floatguard.stability.spike_watch import SpikeWatch
+from floatguard.stability.stall import StallWatch
 from floatguard.stability.step_state import StepState
 
 __all__ = ["Actor", "is_metric_scheduler"]
@@ -34,11 +35,12 @@ class Actor:
     """Applies a step whole (snapshot when due, clip, ``optimizer.step()`` with the LR
     factor, scheduler, scaler growth, detector windows) or leaves no trace of it
     (buffers restored, scaler growth skipped), restoring a snapshot on a rollback or a
-    stop that asks for it. ``applying``: ``optimizer.step()`` ran whole, so the step is
-    applied (the guard's stage flag); before that a failure leaves no trace."""
+    stop that asks for it. Once ``optimizer.step()`` ran whole it sets the run's stage to
+    ``"applied"``; before that a failure leaves no trace."""
 
     def __init__(
         self,
+        run: RunState,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         scaler: DynamicLossScaler,
@@ -54,13 +56,12 @@ class Actor:
         step_scheduler: bool = True,
         stall: StallWatch | None = None,
     ) -> None:
-        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.run, self.optimizer, self.scheduler, self.scaler = run, optimizer, scheduler, scaler
         self.state, self.reader, self.clipper = state, reader, clipper
         self.spike_watch, self.keeper, self.emit = spike_watch, keeper, emit
         self.response, self.stateful = response, stateful
         self.updates, self.step_scheduler, self.stall = updates, step_scheduler, stall
         self.metric: float | None = None  # the metric a metric-driven scheduler is given
-        self.applying = False
 
     def act(
         self,
@@ -152,7 +153,7 @@ class Actor:
                     f"weights ({type(e).__name__}: {e}); {where}"
                 ) from e
             raise
-        self.applying = True  # the update ran whole: from here on the step is applied
+        self.run.stage = "applied"  # the update ran whole: from here on nothing undoes it
         if scheduled is not None:
             _set_hypers(self.optimizer, scheduled)
         return state

@@ -16,6 +16,7 @@ Reading order: :meth:`Guard.step`, then ``_step`` (one screen), then the methods
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from floatguard.causes import CAUSES, Cause
 from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.events import EventLog
 from floatguard.guard import policy
@@ -39,29 +41,30 @@ from floatguard.guard.batch_id import BatchInputs
 from floatguard.guard.channel import ReadChannel
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import Judge, StepVerdict
-from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.locate import Locator, named_root
 from floatguard.guard.peers import Peers
-from floatguard.guard.persist import GuardPersistence
+from floatguard.guard.persist import GuardCheckpoint, RunState, stateful_objects
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.repro_writer import ReproWriter
 from floatguard.guard.run import StepRunner, as_closures
-from floatguard.guard.stall import StallWatch
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
 from floatguard.guard.update_check import UpdateCheck
+from floatguard.guard.watches import SilentWatches
 from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clipper import Clipper
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.snapshot import Snapshot
+from floatguard.stability.snapshot_keeper import SnapshotKeeper
 from floatguard.stability.spike_watch import SpikeDetector, SpikeWatch
+from floatguard.stability.stall import StallWatch
 from floatguard.stability.step_state import StepState
 from floatguard.stability.trend import TrendPolicy, TrendWatch
 
 __all__ = ["Guard"]
 
 
-class Guard(GuardPersistence):
+class Guard:
     """Keep a training loop numerically healthy (``docs/guard.md`` has the whole story).
 
     Args:
@@ -217,6 +220,7 @@ class Guard(GuardPersistence):
         names = {id(p): n for n, p in named_root(model).named_parameters()}
         self._stall = StallWatch(optimizer, names)
         self._trend = TrendWatch(trend)
+        self._watches = SilentWatches(self._trend, self._stall, self._emit, self._scaler)
         self._inputs = BatchInputs(model)
         self._step_inputs: list[tuple[Any, ...]] = []
         self._ended = False
@@ -243,12 +247,18 @@ class Guard(GuardPersistence):
                 device=self._device,
                 rank=self._channel.rank if self._distributed else None,
                 world_size=world_size_of(self._distributed, process_group),
+                scaler=self._scaler,
+                step_state=self._state,
+                spike_watch=self._spike_watch,
+                events=self._emit,
             )
             if self._response.repro_dir is not None
             else None
         )
+        self._run = RunState()  # the step counter, the policy's counters, the stage
         self._keeper = SnapshotKeeper(self._response, self._emit)
         self._actor = Actor(
+            self._run,
             optimizer,
             scheduler,
             self._scaler,
@@ -274,14 +284,10 @@ class Guard(GuardPersistence):
             self._channel,
             self._keeper,
         )
-        # the guard's own state
-        self._ladder = policy.LadderState()
-        self.step_count = 0
-        self._previous_applied = False  # the last step's update was applied
-        # The first snapshot is of the state the first step starts from (taken then,
-        # vetted): weights a user loads after building the guard (a fine-tune's
-        # pretrained weights, a resume through load_state_dict) are the ones kept.
-        self._snapshot_pending = True
+        self._checkpoint = GuardCheckpoint(
+            self._run, self._stateful, self._own_parts, self._keeper, self._judge,
+            self._channel, self._state, self._trend, self._emit, model, self._device,
+        )  # fmt: skip
         self._emit.run(
             precision,
             self._scaler.enabled,
@@ -324,14 +330,23 @@ class Guard(GuardPersistence):
     @property
     def ladder(self) -> policy.LadderState:
         """The response policy's counters (read-only; see :mod:`floatguard.guard.policy`)."""
-        return self._ladder
+        return self._run.ladder
 
-    good_steps = property(lambda self: self._ladder.good_steps)
-    consecutive_bad = property(lambda self: self._ladder.consecutive_bad)
-    rollbacks = property(lambda self: self._ladder.rollbacks)
-    transients = property(lambda self: self._ladder.transients)
-    skip_remaining = property(lambda self: self._ladder.skip_remaining)
-    lr_factor = property(lambda self: self._ladder.lr_factor)
+    good_steps = property(lambda self: self._run.ladder.good_steps)
+    consecutive_bad = property(lambda self: self._run.ladder.consecutive_bad)
+    rollbacks = property(lambda self: self._run.ladder.rollbacks)
+    transients = property(lambda self: self._run.ladder.transients)
+    skip_remaining = property(lambda self: self._run.ladder.skip_remaining)
+    lr_factor = property(lambda self: self._run.ladder.lr_factor)
+
+    @property
+    def step_count(self) -> int:
+        """The number of guard steps taken (the index of the next step)."""
+        return self._run.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._run.step_count = value
 
     @property
     def last_snapshot(self) -> Snapshot | None:
@@ -410,62 +425,136 @@ class Guard(GuardPersistence):
     def _step(
         self, closure: Closure | Sequence[Closure] | None, replay: Sequence[Closure] | None
     ) -> StepResult:
-        closures = as_closures(closure)
-        self._channel.begin(self.step_count)  # a peer failed, finished or exited: stop now
-        self._keeper.tick()
-        step = self.step_count
-        initial = self._snapshot_pending
-        if initial:  # the state this step starts from, vetted by the step's own read
-            self._snapshot_pending = False
-            self._state.rng = self._state.rng_now()
-            self._keeper.take(step, self._stateful(), self._snapshot_meta(), {}, vetted=False)
-        elif self._keeper.opens(self._ladder.good_steps):  # snapshot_overlap: copy now
-            self._keeper.take(step, self._stateful(), self._snapshot_meta(), {}, pending=True)
-        if closures:
-            self._state.rng = self._state.rng_now()  # the draws this step's forward makes
-            try:
-                self._runner.run(closures, before_last_backward=self._channel.arm_for(step))
-            except BaseException:
-                self._undo()  # the closure failed: the step did not happen
-                self._unvouched(initial)
-                raise
-        elif not self._runner.losses:
+        closures, run, keeper = as_closures(closure), self._run, self._keeper
+        if not closures and not self._runner.losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
-        else:
-            closures = as_closures(replay) if replay else []
-        self._step_inputs = self._inputs.take()  # this step's batch, before any replay
-        self.step_count, self._actor.applying = step + 1, False
+        self._channel.begin(run.step_count)  # a peer failed, finished or exited: stop now
+        step = run.step_count
+        if keeper.first_due:  # the first snapshot's RNG: where this step begins
+            self._state.rng = self._state.rng_now()
+        keeper.begin_step(step, run.ladder.good_steps, self._checkpoint.capture)
+        run.stage = "running"
         try:
+            if closures:
+                self._state.rng = self._state.rng_now()  # the draws this step's forward makes
+                self._runner.run(closures, before_last_backward=self._channel.arm_for(step))
+            else:
+                closures = as_closures(replay) if replay else []
+            self._step_inputs = self._inputs.take()  # this step's batch, before any replay
+            run.step_count, run.stage = step + 1, "deciding"
             # A snapshot step reads the state's magnitudes with the step, to vet them.
-            due = initial or self._keeper.due(self._ladder.good_steps)
-            state_tensors, magnitudes = self._locator.magnitudes() if due else ([], None)
+            reads = keeper.reads_state(run.ladder.good_steps)
+            state_tensors, magnitudes = self._locator.magnitudes() if reads else ([], None)
             read = self._reader.read(step, self._runner.mean_loss(), magnitudes)  # one read
-            if initial:
-                self._vouch_initial(step, (state_tensors, list(read.extra)))
-                initial = False
+            vetted = (state_tensors, list(read.extra))
+            if keeper.vetting_first:
+                self._checkpoint.first_vetted(step, vetted)
             verdict = self._judge.judge(
-                step,
-                read,
-                closures,
-                (state_tensors, list(read.extra)),
-                self._ladder,
-                self._previous_applied,
+                step, read, closures, vetted, run.ladder, run.previous_applied
             )
             return self._act(step, read, verdict, closures)
         except BaseException:
-            if not self._actor.applying:  # the step did not happen: as if it had not begun
-                self.step_count = step
+            if not run.applied():  # the step did not happen: as if it had not begun
+                run.step_count = step
                 self._undo()
-                self._unvouched(initial)
+                keeper.abort_step()
             raise
+        finally:
+            run.stage = "idle"
 
-    def _unvouched(self, initial: bool) -> None:
-        """A first step that failed before its read vetted the first snapshot: forget
-        that snapshot; the next step takes it again (and so for an overlapped copy)."""
-        self._keeper.settle()
-        if initial:
-            self._keeper.drop()
-            self._snapshot_pending = True
+    # --------------------------------------------------------- persistence
+    def resume(self, path: str | os.PathLike[str] | None = None, *, foreign: bool = False) -> int:
+        """Continue a run from its newest good snapshot on disk; returns the step to run next.
+
+        ``path``: a snapshot file, or a folder of them (default: the policy's
+        ``snapshot_dir``). This guard continues the run the snapshot folder belongs to
+        (its ``floatguard-run.json``): a snapshot written by another run is *foreign*.
+        In a folder, a newer snapshot that fails to verify, is misnamed (its name says
+        another step: renamed or swapped) or is foreign is passed over for the one
+        before it (a ``snapshot_fallback`` event each, saying why). A file named by
+        ``path`` is refused for those instead (SnapshotError; ForeignSnapshotError for
+        another run's); ``foreign=True`` takes another run's snapshot on purpose (a
+        branch of a run, a file copied from elsewhere). The snapshot is checked against
+        the model and optimizer (every tensor's name, shape and dtype) before anything
+        is loaded: a misfit is a SnapshotError naming the first tensor that differs,
+        with model and optimizer untouched. The snapshot folder's lock is taken first:
+        SnapshotFolderBusy while another guard writes there.
+
+        Under torch.distributed (every rank calls it) the ranks resume from the same
+        step: the newest one every rank has a good snapshot of, each from its own file
+        (:mod:`floatguard.guard.resume_agree`); when there is none, or a rank cannot
+        load its file, every rank raises SnapshotError naming each rank's steps or the
+        rank that failed, with nothing loaded anywhere.
+
+        Model, optimizer, scaler, scheduler, clipper, detectors, the guard's counters
+        and the torch RNG (as at the start of that step) are restored; a ``resume``
+        event marks where the event stream picks up (with this rank's newest step and
+        the ranks behind, when the step agreed is older). Feed the data from the
+        returned step on.
+        """
+        return self._checkpoint.resume(path, foreign)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state, for a framework's checkpoint (Lightning keeps a
+        callback's): step counter, counters, loss scaler, clipper and spike detectors.
+        Not the model, optimizer or scheduler (the framework saves those)."""
+        return self._checkpoint.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a guard configured the same way).
+        The guard then continues the run its ``snapshot_dir`` belongs to (as after
+        :meth:`resume`), so a framework's resume keeps the folder's snapshots its own."""
+        self._checkpoint.load_state_dict(sd)
+
+    def skip_external(
+        self,
+        reason: Cause = "overflow",
+        *,
+        scale_before: float | None = None,
+        scale_after: float | None = None,
+    ) -> StepResult:
+        """Record a step the training framework skipped on its own (an fp16 GradScaler
+        that found an inf and did not call the optimizer): the losses recorded for it
+        are dropped, the buffers restored, the step counted, and an ``overflow`` event
+        (when the scales are given) and a ``step`` event written. One host read."""
+        if reason not in CAUSES:
+            raise ValueError(f"skip_external(reason={reason!r}); use one of {CAUSES}")
+        step = self._run.step_count
+        self._run.step_count += 1
+        loss = float(self._runner.mean_loss()) if self._runner.losses else math.nan
+        self._discard()
+        self._state.save()
+        self._run.previous_applied = False
+        if scale_before is not None and scale_after is not None:
+            self._emit.overflow(step, scale_before, scale_after)
+        scale = scale_after if scale_after is not None else self._scaler.get_scale()
+        result = StepResult(
+            step, "skipped", reason, loss, math.nan, scale, 1.0, self._run.ladder.lr_factor,
+            snapshot_age=self._keeper.age(self._run.step_count),
+        )  # fmt: skip
+        self._emit.step(result)
+        return result
+
+    def _stateful(self) -> dict[str, Any]:
+        """Everything a snapshot captures and a rollback restores."""
+        return stateful_objects(
+            self._model,
+            self._optimizer,
+            self._scaler,
+            self._scheduler,
+            self.zclip,
+            self.loss_detector,
+            self.norm_detector,
+        )
+
+    def _own_parts(self) -> dict[str, Any]:
+        """The parts of the guard's own state a framework's checkpoint keeps."""
+        return {
+            "scaler": self._scaler,
+            "zclip": self.zclip,
+            "loss_detector": self.loss_detector,
+            "norm_detector": self.norm_detector,
+        }
 
     # ----------------------------------------------------------------- act
     def _act(
@@ -480,22 +569,20 @@ class Guard(GuardPersistence):
             else None
         )
         if self._repro is not None and verdict.decision.response != "apply":
-            self._write_repro(step, read, verdict, closures)  # before a rollback
+            self._repro.bad_step(  # before a rollback
+                step, verdict, self._judge.local, read.bad_ranks, closures, self._step_inputs
+            )
         try:
-            action, self._ladder = self._actor.act(step, read, verdict, self._snapshot_now, batch)
+            action, self._run.ladder = self._actor.act(
+                step, read, verdict, self._checkpoint.before_update, batch
+            )
         except GuardStopped:
-            self._ladder = verdict.decision.state
+            self._run.ladder = verdict.decision.state
             raise
-        self._previous_applied = action == "applied"
-        if self._previous_applied:
-            self._observe_trend(step, read, schedule_lr, scale)
-        if self._previous_applied and self._stall.active:
-            stalled = self._stall.after(step)  # on its sampled steps only
-            if stalled is not None:
-                self._emit.warning(
-                    step, StallWatch.message(stalled), code="stalled_updates", evidence=stalled
-                )
-        self._keeper.settle()  # an overlapped copy the step did not vouch for
+        self._run.previous_applied = action == "applied"
+        if self._run.previous_applied:
+            self._watches.applied(step, read, schedule_lr, scale)
+        self._keeper.end_step()
         self._end_step()
         result = StepResult(
             step,
@@ -505,104 +592,13 @@ class Guard(GuardPersistence):
             read.grad_norm,
             scale,
             verdict.clip[0],
-            self._ladder.lr_factor,
+            self._run.ladder.lr_factor,
             verdict.fault,
             self._keeper.age(self.step_count),
             lr,
         )
         self._emit.step(result)
         return result
-
-    def _write_repro(
-        self, step: int, read: StepRead, verdict: StepVerdict, closures: Sequence[Closure]
-    ) -> None:
-        """Write the repro bundle of a bad step (its fault born on this rank, or at the
-        "step" level its spike): a ``repro`` event, or a ``warning`` (``repro_error``)
-        when it cannot be written; training goes on either way."""
-        assert self._repro is not None
-        fault = self._judge.local if verdict.fault is not None else None
-        if verdict.fault is not None and fault is None:
-            return
-        if (
-            self._distributed
-            and self._channel.rank not in read.bad_ranks
-            and (fault is None or fault.phase != "param")
-        ):
-            return  # the fault was born on another rank: its bundle is written there
-        spike = verdict.spike if fault is None else None
-        if not self._repro.wants(fault, spike):
-            return
-        self._repro.mark(fault, spike)
-        spike_info = None
-        if spike is not None:
-            detector = (
-                self._spike_watch.loss if spike == "loss_spike" else self._spike_watch.grad_norm
-            )
-            spike_info = {
-                "signal": spike.removesuffix("_spike"),
-                "value": verdict.spike_value,
-                "threshold": detector.bar() if detector is not None else None,
-                "reproduced": verdict.spike_reproduced,
-            }
-        state = None
-        if self._response.repro_level == "step":
-            state = {
-                "model": named_root(self._model).state_dict(),
-                "optimizer": self._optimizer.state_dict(),
-                "scaler": self._scaler.state_dict(),
-                "rng": self._state.rng,
-            }
-        try:
-            path, size, seconds, summary = self._repro.capture(
-                step,
-                fault,
-                spike_info,
-                closures,
-                self._step_inputs,
-                self._repro_context(),
-                state,
-            )
-        except Exception as e:  # never let a bundle break training
-            self._emit.warning(
-                step,
-                f"repro bundle not written: {type(e).__name__}: {e}",
-                code="repro_error",
-            )
-            return
-        self._emit.repro(step, str(path), self._response.repro_level, size, seconds, summary)
-
-    def _repro_context(self) -> dict[str, Any]:
-        """What the step computed in: precision, loss scale, autocast, the parameters'
-        dtypes, the emulation recipes of the model's emulated layers."""
-        from floatguard.emulation.emulation_recipe import EmulationRecipe
-
-        recipes = {
-            name: repr(m.recipe)
-            for name, m in named_root(self._model).named_modules()
-            if isinstance(getattr(m, "recipe", None), EmulationRecipe)
-        }
-        return {
-            "precision": self._precision,
-            "loss_scale": self._scaler.get_scale() if self._scaler.enabled else None,
-            "autocast": {"fp16": "float16", "bf16": "bfloat16"}.get(self._precision),
-            "param_dtypes": sorted(
-                {str(p.dtype).removeprefix("torch.") for p in self._model.parameters()}
-            ),
-            "emulation": recipes,
-        }
-
-    def _observe_trend(self, step: int, read: StepRead, lr: float | None, scale: float) -> None:
-        """An applied step's loss and norm into the trend watch; its alarms as warnings."""
-        alarms = self._trend.observe(
-            step, read.loss, read.grad_norm, lr, scale if self._scaler.enabled else None
-        )
-        for alarm in alarms:
-            self._emit.warning(
-                step,
-                alarm.message,
-                code=f"{alarm.signal}_trend",
-                evidence=alarm.evidence(),
-            )
 
     def _lr(self, factor: float) -> float | None:
         """The LR a step's update uses: the first group's, times the LR factor."""
@@ -666,28 +662,18 @@ class Guard(GuardPersistence):
 
     def _end(self) -> None:
         """The ``end`` event: whether the run ends with finite weights, optimizer state
-        and floating buffers (one read, at close), which are not, the LR factor; a
-        non-finite buffer is also a warning (the run never ends with one unsaid)."""
+        and floating buffers (one read, at close), which are not, the LR factor."""
         try:
             bad = self._locator.nonfinite_now(self._keeper.amax)
         except Exception:  # closing must not fail on the check
             bad = None
-        lr = self._lr(self._ladder.lr_factor)
+        lr = self._lr(self._run.ladder.lr_factor)
         scale = self._scaler.get_scale() if self._scaler.enabled else None
-        buffers = [n.removeprefix("buffer:") for n in bad or [] if n.startswith("buffer:")]
-        if buffers:
-            self._emit.warning(
-                self.step_count,
-                f"the run ends with non-finite buffer(s) {', '.join(buffers[:5])}: "
-                "evaluation with them gives NaN; restore a snapshot or recompute them",
-                code="nonfinite_buffer",
-                evidence={"buffers": buffers},
-            )
         self._emit.end(
             self.step_count,
             None if bad is None else not bad,
             bad or [],
-            self._ladder.lr_factor,
+            self._run.ladder.lr_factor,
             lr,
             scale,
         )

@@ -208,7 +208,17 @@ class GuardEvents:
         scale: float | None,
     ) -> None:
         """How the run ended: whether the weights, optimizer state and floating buffers
-        were all finite (one read at close), which were not, the LR factor, LR, scale."""
+        were all finite (one read at close), which were not, the LR factor, LR, scale.
+        A non-finite buffer is also a warning (a run never ends with one unsaid)."""
+        buffers = [n.removeprefix("buffer:") for n in nonfinite if n.startswith("buffer:")]
+        if buffers:
+            self.warning(
+                step,
+                f"the run ends with non-finite buffer(s) {', '.join(buffers[:5])}: "
+                "evaluation with them gives NaN; restore a snapshot or recompute them",
+                code="nonfinite_buffer",
+                evidence={"buffers": buffers},
+            )
         self.log.emit(
             "end",
             step,

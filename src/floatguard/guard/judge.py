@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from floatguard.guard import policy
 from floatguard.guard.channel import ReadChannel
-from floatguard.guard.keeper import SnapshotKeeper
 from floatguard.guard.locate import Locator, StateTensor, Vetting
 from floatguard.guard.read import StepRead
 from floatguard.guard.types import Closure, Watch
@@ -17,6 +16,7 @@ from floatguard.monitor.localize import Fault
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clipper import Clipper
 from floatguard.stability.respond import ResponsePolicy
+from floatguard.stability.snapshot_keeper import SnapshotKeeper
 from floatguard.stability.spike_watch import SpikeWatch
 
 __all__ = ["Judge", "StepVerdict"]

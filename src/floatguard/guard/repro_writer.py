@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from floatguard.guard.emit import GuardEvents
+from floatguard.guard.judge import StepVerdict
 from floatguard.guard.locate import FLOOR, Locator, named_root
 from floatguard.guard.policy import fault_key
 from floatguard.guard.repro_payload import (
@@ -46,6 +48,9 @@ from floatguard.guard.types import Closure
 from floatguard.monitor.localize import Fault
 from floatguard.repro.bundle import FORMAT, MAGIC, run_tape, save_bundle
 from floatguard.repro.tape import Site, TapeRecorder
+from floatguard.scaling.loss_scale import DynamicLossScaler
+from floatguard.stability.spike_watch import SpikeWatch
+from floatguard.stability.step_state import StepState
 
 __all__ = ["ReproWriter"]
 
@@ -68,13 +73,91 @@ class ReproWriter:
         device: torch.device,
         rank: int | None,
         world_size: int,
+        scaler: DynamicLossScaler,
+        step_state: StepState,
+        spike_watch: SpikeWatch,
+        events: GuardEvents,
     ) -> None:
         self.folder = Path(folder)
         self.level, self.keep = level, keep
         self.model, self.optimizer, self.locator = model, optimizer, locator
         self.precision, self.device = precision, device
         self.rank, self.world_size = rank, world_size
+        self.scaler, self.step_state, self.spikes, self.events = (
+            scaler, step_state, spike_watch, events
+        )  # fmt: skip
         self.written: set[tuple[Any, ...]] = set()
+
+    # ------------------------------------------------------------- the bad step
+    def bad_step(
+        self, step: int, verdict: StepVerdict, local: Fault | None, bad_ranks: Sequence[int],
+        closures: Sequence[Closure], batch: list[tuple[Any, ...]],
+    ) -> None:  # fmt: skip
+        """Write the bundle of a bad step (a fault born on this rank, ``local`` being its
+        own localization; or at the "step" level, its spike): a ``repro`` event, or a
+        ``warning`` (``repro_error``) when it cannot be written; training goes on
+        either way. Under torch.distributed, a fault born on another rank (not in
+        ``bad_ranks``) is left to that rank's guard."""
+        fault = local if verdict.fault is not None else None
+        if verdict.fault is not None and fault is None:
+            return
+        if (
+            self.rank is not None
+            and self.rank not in bad_ranks
+            and (fault is None or fault.phase != "param")
+        ):
+            return  # the fault was born on another rank: its bundle is written there
+        spike = verdict.spike if fault is None else None
+        if not self.wants(fault, spike):
+            return
+        self.mark(fault, spike)
+        spike_info = None
+        if spike is not None:
+            detector = self.spikes.loss if spike == "loss_spike" else self.spikes.grad_norm
+            spike_info = {
+                "signal": spike.removesuffix("_spike"),
+                "value": verdict.spike_value,
+                "threshold": detector.bar() if detector is not None else None,
+                "reproduced": verdict.spike_reproduced,
+            }
+        state = None
+        if self.level == "step":
+            state = {
+                "model": named_root(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "rng": self.step_state.rng,
+            }
+        try:
+            path, size, seconds, summary = self.capture(
+                step, fault, spike_info, closures, batch, self._context(), state
+            )
+        except Exception as e:  # never let a bundle break training
+            self.events.warning(
+                step, f"repro bundle not written: {type(e).__name__}: {e}", code="repro_error"
+            )
+            return
+        self.events.repro(step, str(path), self.level, size, seconds, summary)
+
+    def _context(self) -> dict[str, Any]:
+        """What the step computed in: precision, loss scale, autocast, the parameters'
+        dtypes, the emulation recipes of the model's emulated layers."""
+        from floatguard.emulation.emulation_recipe import EmulationRecipe
+
+        recipes = {
+            name: repr(m.recipe)
+            for name, m in named_root(self.model).named_modules()
+            if isinstance(getattr(m, "recipe", None), EmulationRecipe)
+        }
+        return {
+            "precision": self.precision,
+            "loss_scale": self.scaler.get_scale() if self.scaler.enabled else None,
+            "autocast": {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision),
+            "param_dtypes": sorted(
+                {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
+            ),
+            "emulation": recipes,
+        }
 
     # ------------------------------------------------------------------ capture
     def capture(

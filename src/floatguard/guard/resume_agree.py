@@ -34,8 +34,8 @@ from floatguard.guard.peers import ranks_text
 from floatguard.stability.snapshot import Snapshot, SnapshotError, step_of
 
 if TYPE_CHECKING:
-    from floatguard.guard.keeper import SnapshotKeeper
     from floatguard.guard.peers import Peers
+    from floatguard.stability.snapshot_keeper import SnapshotKeeper
 
 __all__ = ["Agreement", "agree", "agreed_load", "loaded"]
 

@@ -1,4 +1,16 @@
-"""The snapshot keeper: the in-memory snapshot, the disk store and its error policy, resume.
+"""The snapshot keeper: owns a guarded run's snapshot life-cycle.
+
+One object holds the in-memory snapshot a rollback restores, the disk store with
+its error policy, the folder's lock and resume. The guard drives it with a
+step-shaped surface and nothing else: :meth:`SnapshotKeeper.begin_step` (the first
+snapshot, or with ``snapshot_overlap`` the copy, as the step begins),
+:meth:`~SnapshotKeeper.reads_state` (whether the step's one read carries the state's
+magnitudes, to vet a snapshot), :meth:`~SnapshotKeeper.first_vetted`,
+:meth:`~SnapshotKeeper.before_update` (the vetted snapshot of a snapshot step, taken
+before the update overwrites the state), :meth:`~SnapshotKeeper.fence`,
+:meth:`~SnapshotKeeper.end_step` / :meth:`~SnapshotKeeper.abort_step`, then
+:meth:`~SnapshotKeeper.restore` (a rollback) and :meth:`~SnapshotKeeper.load` /
+:meth:`~SnapshotKeeper.adopt` (a resume).
 
 Whose snapshots a folder holds (see :mod:`floatguard.stability.snapshot_folder`): the
 keeper has a *run id*, new for a guard that starts afresh, the folder's own for one
@@ -13,13 +25,12 @@ from __future__ import annotations
 import errno
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from floatguard.guard.cadence import SnapshotCadence
-from floatguard.guard.emit import GuardEvents
 from floatguard.stability.snapshot import (
     ForeignSnapshotError,
     Snapshot,
@@ -27,6 +38,7 @@ from floatguard.stability.snapshot import (
     load_snapshot,
     read_identity,
 )
+from floatguard.stability.snapshot_cadence import SnapshotCadence
 from floatguard.stability.snapshot_fit import first_misfit
 from floatguard.stability.snapshot_folder import (
     FolderLock,
@@ -40,9 +52,23 @@ from floatguard.stability.snapshot_store import SnapshotStore
 if TYPE_CHECKING:
     from floatguard.stability.respond import ResponsePolicy
 
-__all__ = ["SnapshotKeeper"]
+__all__ = ["SnapshotEvents", "SnapshotKeeper"]
+
+Capture = Callable[[], tuple[dict[str, Any], dict[str, Any]]]  # (objects, meta), now
 
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # a folder the lock cannot be made in
+
+
+class SnapshotEvents(Protocol):
+    """Where the keeper says what it did (the guard's event stream)."""
+
+    def snapshot(self, step: int, where: str, freed: str | None = None) -> None: ...
+    def snapshot_error(self, step: int, where: str, error: str, policy: str) -> None: ...
+    def snapshot_fallback(self, step: int, bad: str, error: str, used: str) -> None: ...
+    def warning(
+        self, step: int, message: str, transients: int | None = None, *,
+        code: str | None = None, evidence: dict[str, Any] | None = None,
+    ) -> None: ...  # fmt: skip
 
 
 def _tensors(objects: dict[str, Any]) -> list[torch.Tensor]:
@@ -67,7 +93,7 @@ class SnapshotKeeper:
     :meth:`age` says how far behind it is.
     """
 
-    def __init__(self, policy: ResponsePolicy, events: GuardEvents) -> None:
+    def __init__(self, policy: ResponsePolicy, events: SnapshotEvents) -> None:
         self.policy = policy
         self.events = events
         self.snapshot: Snapshot | None = None
@@ -94,6 +120,67 @@ class SnapshotKeeper:
         # and the memory of the one before the current snapshot, reused for the next
         self.pending: Snapshot | None = None
         self._spare: Snapshot | None = None
+        # The first snapshot is of the state the first step starts from (taken then,
+        # vetted by that step's read): weights loaded after the guard was built (a
+        # fine-tune's pretrained weights, a resume through load_state_dict) are kept.
+        self.first_due = True
+        self._vetting_first = False  # the first snapshot, taken as this step began
+
+    # ------------------------------------------------------------ the step
+    def begin_step(self, step: int, good_steps: int, capture: Capture) -> None:
+        """Step ``step`` begins: its wall time feeds the snapshot budget; the first
+        snapshot (unvetted until the step's read) or, with ``snapshot_overlap``, a due
+        snapshot's copy is taken of the state ``capture()`` gives."""
+        self.cadence.tick()
+        if self.first_due:
+            self.first_due, self._vetting_first = False, True
+            objects, meta = capture()
+            self.take(step, objects, meta, {}, vetted=False)
+        elif self.opens(good_steps):
+            objects, meta = capture()
+            self.take(step, objects, meta, {}, pending=True)
+
+    @property
+    def vetting_first(self) -> bool:
+        """Whether this step's read vets the first snapshot (:meth:`first_vetted`)."""
+        return self._vetting_first
+
+    def reads_state(self, good_steps: int) -> bool:
+        """Whether this step's one read carries the state's magnitudes (to vet the first
+        snapshot, or the snapshot of a snapshot step)."""
+        return self._vetting_first or self.due(good_steps)
+
+    def first_vetted(self, step: int, bad: object, amax: dict[str, float]) -> bool:
+        """The first snapshot vetted with the step's read: kept (True), or dropped with a
+        warning when the state was already bad (``bad``, not None, says why)."""
+        self._vetting_first = False
+        if bad is not None:
+            self.drop()
+            self.events.warning(step, f"no snapshot taken: {bad}", 0)
+            return False
+        self.vouch(step, amax)
+        return True
+
+    def before_update(
+        self, step: int, objects: dict[str, Any], meta: dict[str, Any],
+        amax: dict[str, float], good_steps: int,
+    ) -> None:  # fmt: skip
+        """A snapshot step about to be applied: the state (vetted, magnitudes ``amax``)
+        is kept before the update overwrites it."""
+        self.take(step, objects, meta, amax, good_steps=good_steps)
+
+    def end_step(self) -> None:
+        """The step is over: an overlapped copy it did not vouch for is let go."""
+        self.settle()
+
+    def abort_step(self) -> None:
+        """The step raised before it was applied: as if it had not begun (a first
+        snapshot it did not vet is forgotten and taken again by the next step)."""
+        self.settle()
+        if self._vetting_first:
+            self._vetting_first = False
+            self.drop()
+            self.first_due = True
 
     def age(self, next_step: int) -> int | None:
         """How many steps a resume from the newest snapshot on disk would run again
@@ -125,10 +212,6 @@ class SnapshotKeeper:
         if self.pending is not None:
             self.pending.wait()
             self._spare, self.pending = self.pending, None
-
-    def tick(self) -> None:
-        """A step begins (its wall time feeds the snapshot budget)."""
-        self.cadence.tick()
 
     def fence(self) -> None:
         """Before the optimizer step overwrites the state: a host snapshot's copy still
@@ -526,7 +609,7 @@ class SnapshotKeeper:
         """After a resume from ``used``: ``snap`` is the snapshot a rollback restores, and
         this guard continues the snapshot folder's run (or, in a folder without an
         identity, the run of the file it resumed from there)."""
-        self.snapshot = snap
+        self.snapshot, self.first_due = snap, False  # the snapshot resumed from is kept
         self.taken = int(snap.meta.get("snapshots", self.taken))
         self.amax = {}
         self.disk_step = snap.step
@@ -536,9 +619,11 @@ class SnapshotKeeper:
                 run = snap.run_id
             self._set_run(run)
 
-    def continue_run(self) -> None:
-        """A guard restored from a framework's checkpoint (``Guard.load_state_dict``)
-        continues the snapshot folder's run, when the folder has one."""
+    def continue_run(self, snapshots: int) -> None:
+        """A guard restored from a framework's checkpoint (``Guard.load_state_dict``,
+        ``snapshots`` taken before) continues the snapshot folder's run, when the folder
+        has one; its next step takes the first snapshot afresh."""
+        self.taken, self.first_due = snapshots, True
         if self.home is not None and self.home.is_dir():
             self._set_run(read_run_id(self.home))
 
