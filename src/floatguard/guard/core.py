@@ -43,7 +43,7 @@ from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import Judge, StepVerdict
 from floatguard.guard.locate import Locator, named_root
 from floatguard.guard.peers import Peers
-from floatguard.guard.persist import GuardCheckpoint, RunState, stateful_objects
+from floatguard.guard.persist import GuardCheckpoint, RunState
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.repro_writer import ReproWriter
 from floatguard.guard.run import StepRunner, as_closures
@@ -285,8 +285,8 @@ class Guard:
             self._keeper,
         )
         self._checkpoint = GuardCheckpoint(
-            self._run, self._stateful, self._own_parts, self._keeper, self._judge,
-            self._channel, self._state, self._trend, self._emit, model, self._device,
+            self._run, model, optimizer, scheduler, self._own_parts, self._keeper, self._judge,
+            self._channel, self._state, self._trend, self._emit, self._device,
         )  # fmt: skip
         self._emit.run(
             precision,
@@ -537,15 +537,7 @@ class Guard:
 
     def _stateful(self) -> dict[str, Any]:
         """Everything a snapshot captures and a rollback restores."""
-        return stateful_objects(
-            self._model,
-            self._optimizer,
-            self._scaler,
-            self._scheduler,
-            self.zclip,
-            self.loss_detector,
-            self.norm_detector,
-        )
+        return self._checkpoint.objects()
 
     def _own_parts(self) -> dict[str, Any]:
         """The parts of the guard's own state a framework's checkpoint keeps."""

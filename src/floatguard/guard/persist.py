@@ -29,7 +29,6 @@ __all__ = [
     "Stage",
     "guard_state_dict",
     "load_guard_state_dict",
-    "stateful_objects",
 ]
 
 _OPTIONAL = ("zclip", "loss_detector", "norm_detector")
@@ -65,15 +64,25 @@ class GuardCheckpoint:
     snapshot life-cycle itself is the keeper's."""
 
     def __init__(
-        self, run: RunState, objects: Callable[[], dict[str, Any]],
-        own: Callable[[], dict[str, Any]],
-        keeper: SnapshotKeeper, judge: Judge, channel: ReadChannel, state: StepState,
-        trend: TrendWatch, emit: GuardEvents, model: torch.nn.Module, device: torch.device,
+        self, run: RunState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        scheduler: Any, own: Callable[[], dict[str, Any]], keeper: SnapshotKeeper,
+        judge: Judge, channel: ReadChannel, state: StepState, trend: TrendWatch,
+        emit: GuardEvents, device: torch.device,
     ) -> None:  # fmt: skip
-        self.run, self.objects, self._own = run, objects, own
+        self.run, self.optimizer, self.scheduler, self._own = run, optimizer, scheduler, own
         self.keeper, self.judge, self.channel, self.state = keeper, judge, channel, state
         self.trend, self.emit, self.model, self.device = trend, emit, model, device
         self._layout_memo: dict[str, Any] | None = None
+
+    def objects(self) -> dict[str, Any]:
+        """Everything a snapshot captures and a rollback restores, by the names snapshot
+        files have always used (the optional ones only when configured)."""
+        own = self._own()
+        objs = {"model": self.model, "optimizer": self.optimizer, "scaler": own.pop("scaler")}
+        objs.update(
+            {k: v for k, v in {"scheduler": self.scheduler, **own}.items() if v is not None}
+        )
+        return objs
 
     def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The objects a snapshot holds and its metadata, now."""
@@ -152,28 +161,6 @@ class GuardCheckpoint:
         self.keeper.continue_run(int(counters.get("snapshots", 0)))
         self.run.step_count = step_count
         self._load_counters(counters)
-
-
-def stateful_objects(
-    model: Any,
-    optimizer: Any,
-    scaler: Any,
-    scheduler: Any,
-    zclip: Any,
-    loss_detector: Any,
-    norm_detector: Any,
-) -> dict[str, Any]:
-    """Everything a snapshot captures and a rollback restores, by the names snapshot
-    files have always used (the optional ones only when configured)."""
-    objs: dict[str, Any] = {"model": model, "optimizer": optimizer, "scaler": scaler}
-    optional = {
-        "scheduler": scheduler,
-        "zclip": zclip,
-        "loss_detector": loss_detector,
-        "norm_detector": norm_detector,
-    }
-    objs.update({k: v for k, v in optional.items() if v is not None})
-    return objs
 
 
 def guard_state_dict(
