@@ -339,8 +339,14 @@ class Peers:
                         GuardDesync if rec.get("type") == "GuardDesync" else PeerFailed
                     )
                     said = PREFIX.sub("", str(rec.get("message")))
-                    text = f"rank {me} stops: rank {p} stopped at guard step {at}: {said}"
-                    return cls, text, tuple(int(r) for r in rec.get("ranks") or ())
+                    named = tuple(int(r) for r in rec.get("ranks") or ())
+                    whose = (  # a relay: the rank at fault is another (3 ranks or more)
+                        f", naming {ranks_text(named)} (not itself)"
+                        if named and p not in named
+                        else ""
+                    )
+                    text = f"rank {me} stops: rank {p} stopped at guard step {at}{whose}: {said}"
+                    return cls, text, named
                 if int(at) > step:
                     continue  # it took part in this step: not why
                 if kind == "exited":
