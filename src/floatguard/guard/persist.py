@@ -124,10 +124,10 @@ class GuardCheckpoint:
         newest: int | None = None
         behind: list[int] | None = None
         if peers is None:
-            snap, used = self.keeper.load(path, self.device, objects, foreign=foreign)
+            snap, used = self.keeper.disk.load(path, self.device, objects, foreign=foreign)
         else:
             snap, used, agreed = agreed_load(
-                self.keeper, peers, path, self.device, objects, foreign=foreign
+                self.keeper.disk, peers, path, self.device, objects, foreign=foreign
             )
             newest = agreed.newest if agreed.newest != agreed.step else None
             behind = list(agreed.behind) or None

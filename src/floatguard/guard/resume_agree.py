@@ -35,7 +35,7 @@ from floatguard.stability.snapshot import Snapshot, SnapshotError, step_of
 
 if TYPE_CHECKING:
     from floatguard.guard.peers import Peers
-    from floatguard.stability.snapshot_keeper import SnapshotKeeper
+    from floatguard.stability.snapshot_disk import SnapshotDisk
 
 __all__ = ["Agreement", "agree", "agreed_load", "loaded"]
 
@@ -66,7 +66,7 @@ class _Found:
 
 
 def agreed_load(
-    keeper: SnapshotKeeper,
+    disk: SnapshotDisk,
     peers: Peers,
     path: str | os.PathLike[str] | None,
     device: torch.device,
@@ -78,16 +78,16 @@ def agreed_load(
     ``objects`` on every rank, or the same failure on every rank; nothing restored.
     In a folder, each newer file that does not verify is passed over (a
     ``snapshot_fallback`` event); newer good files another rank lacks are not."""
-    found, mine = _attempt(lambda: _find(keeper, path, device, foreign))
+    found, mine = _attempt(lambda: _find(disk, path, device, foreign))
     steps = [s for s, _ in found.good][:_STEPS_SENT] if found is not None else []
     records = _together(peers, {"steps": steps}, mine, "guard.resume()'s snapshot steps")
     assert found is not None
     agreement = agree(records, peers.rank)
     used = dict(found.good)[agreement.step]
     newer = [(p, why) for p, why in found.bad if (step_of(p.name) or 0) > agreement.step]
-    keeper.passed_over(agreement.step, newer, used)
+    disk.passed_over(agreement.step, newer, used)
     snap, mine = _attempt(
-        lambda: _load(keeper, found, used, agreement.step, device, objects, foreign)
+        lambda: _load(disk, found, used, agreement.step, device, objects, foreign)
     )
     loads = _together(peers, {}, mine, f"guard.resume()'s load of step {agreement.step}")
     loaded(loads, peers.rank, agreement.step)
@@ -151,23 +151,23 @@ def loaded(records: list[dict[str, Any]], rank: int, step: int) -> None:
 
 
 def _find(
-    keeper: SnapshotKeeper,
+    disk: SnapshotDisk,
     path: str | os.PathLike[str] | None,
     device: torch.device,
     foreign: bool,
 ) -> _Found:
     """This rank's snapshots at ``path`` (a folder: verified, none unpickled; a file:
     loaded, its step is what it holds)."""
-    target, expected = keeper.open_target(path)
+    target, expected = disk.open_target(path)
     if target.is_dir():
-        good, bad = keeper.verified_steps(target, expected, foreign=foreign)
+        good, bad = disk.verified_steps(target, expected, foreign=foreign)
         return _Found(expected, good, bad)
-    snap = keeper.load_file(target, device, expected, foreign=foreign)
+    snap = disk.load_file(target, device, expected, foreign=foreign)
     return _Found(expected, [(snap.step, target)], loaded=snap)
 
 
 def _load(
-    keeper: SnapshotKeeper,
+    disk: SnapshotDisk,
     found: _Found,
     used: Path,
     step: int,
@@ -178,8 +178,8 @@ def _load(
     """The snapshot of ``step`` (at ``used``), checked against ``objects``."""
     snap = found.loaded
     if snap is None or snap.step != step:
-        snap = keeper.load_file(used, device, found.expected, foreign=foreign)
-    keeper.check_fit(snap, used, objects)
+        snap = disk.load_file(used, device, found.expected, foreign=foreign)
+    disk.check_fit(snap, used, objects)
     return snap
 
 
