@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from floatguard.distributed import DistributedStop
+from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
 
-__all__ = ["PREFIX", "backend_words", "collective_error", "ranks_text"]
+__all__ = ["PREFIX", "backend_words", "collective_error", "ranks_text", "silence_why"]
 
 
 PREFIX = re.compile(r"^rank \d+ stops(?: at guard step -?\d+)?: ")  # a message's "who stops"
@@ -97,3 +97,57 @@ def _new_group(
             stacklevel=5,
         )
         return None
+
+
+def silence_why(
+    me: int, silent: list[int], statuses: dict[int, dict[str, Any]], step: int, what: str,
+    error: BaseException, timeout_s: float | None,
+) -> _Why:  # fmt: skip
+    """Why a collective failed rank ``me`` when no note explains it: the ``silent`` ranks
+    (no status left, or named by the barrier), else ranks on another step (their
+    ``statuses``), else the backend's words. ``timeout_s``: the guard's own bound,
+    None for a collective the guard does not own."""
+    how = backend_words(error)
+    where = f"of guard step {step}" if step >= 0 else "(before the first guard step)"
+    if silent:
+        if _timed_out(error):
+            verb = "does" if len(silent) == 1 else "do"
+            own = timeout_s is not None
+            limit = f" within {timeout_s:g} s" if own else ""
+            hint = (
+                "guard.resume() runs on every rank together: call it on every rank or on none"
+                if "resume()" in what
+                else "A rank out of data must call guard.finish()"
+            )
+            bound = (
+                "Guard(peer_timeout_s=...) sets this limit"
+                if own
+                else "init_process_group(timeout=...) bounds this wait (a collective the "
+                "guard does not own)"
+            )
+            text = (
+                f"rank {me} stops: no answer{limit} in {what} {where} ({how}): "
+                f"{ranks_text(silent)} {verb} not answer (stopped, hung, or stuck outside "
+                "the guard: a data loader, work of its own; torch.distributed."
+                f"monitored_barrier found it missing). {hint}; {bound}"
+            )
+        else:
+            verb = "is" if len(silent) == 1 else "are"
+            text = (
+                f"rank {me} stops {where.replace('of ', 'at ')}: {ranks_text(silent)} {verb} "
+                "gone "
+                f"(exited or killed): its connection closed in {what} ({how}), and it "
+                "left no note and did not pass torch.distributed.monitored_barrier"
+            )
+        return PeerFailed, text, tuple(silent)
+    other = [(r, st) for r, st in sorted(statuses.items()) if st.get("step") != step]
+    if other:
+        r, st = other[0]
+        text = (
+            f"rank {me} stops: rank {me} waits in {what} of guard step {step}, but rank {r} "
+            f"in {st.get('what')} of guard step {st.get('step')}: the ranks are not in "
+            "step (a rank skipped or added a guard.step() call, or ran a collective of "
+            "its own)"
+        )
+        return GuardDesync, text, (r,)
+    return PeerFailed, f"rank {me} stops at guard step {step}: {what} failed ({how})", ()

@@ -45,17 +45,16 @@ from typing import Any
 import torch
 
 from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
+from floatguard.guard.peer_notes import PeerNotes, find_store
 from floatguard.guard.peer_words import (
     _MISSING,
     PREFIX,
     _Failure,
-    _finished_text,
     _new_group,
-    _timed_out,
     _Why,
-    backend_words,
     collective_error,
     ranks_text,
+    silence_why,
 )
 
 __all__ = ["BARRIER_S", "PREFIX", "Peers", "collective_error", "ranks_text"]
@@ -91,7 +90,7 @@ class Peers:
         self.step, self._read_done = -1, True
         self.finishing: int | None = None
         self.launched: str | None = None  # the guard's last collective in the region (DDP's)
-        self.closed = self._noted = self._stop_written = self._barrier_used = False
+        self.closed = self._stop_written = self._barrier_used = False
         limit = None if timeout_s is None else timedelta(seconds=timeout_s)
         backend = str(dist.get_backend(group))
         world = self.world == dist.get_world_size()
@@ -102,24 +101,9 @@ class Peers:
         self.barrier: Any = (
             _new_group(ranks, None, "gloo", world=True, need=False) if world else None
         )
-        self.store: Any = self._find_store()
-        self._key = "floatguard/start"  # until the run's token is agreed
+        self.notes = PeerNotes(find_store(self.timed), self.rank, self.world)
         token = self.all_gather_json({"token": uuid.uuid4().hex}, "the guard's start")[0]
-        self._key = f"floatguard/{token.get('token')}"
-
-    def _find_store(self) -> Any:
-        """The store torch rendezvoused with (the group's, else the default group's)."""
-        import torch.distributed as dist
-
-        for get in (
-            lambda: self.timed.get_group_store(),
-            lambda: dist.distributed_c10d._get_default_store(),
-        ):
-            try:
-                return get()
-            except (AttributeError, RuntimeError, ValueError):
-                continue
-        return None
+        self.notes.key = f"floatguard/{token.get('token')}"  # the run's keys from now on
 
     # ------------------------------------------------------------ the step
     def begin(self, step: int) -> None:
@@ -218,33 +202,6 @@ class Peers:
         finally:
             self.launched = None
 
-    # -------------------------------------------------------------- the store
-    def _put(self, kind: str, record: dict[str, Any]) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.set(f"{self._key}/{kind}/{self.rank}", json.dumps(record, default=str))
-        except Exception:  # the store's host is gone: the others learn it from the barrier
-            pass
-
-    def _get(self, kind: str, rank: int) -> dict[str, Any] | None:
-        if self.store is None:
-            return None
-        key = f"{self._key}/{kind}/{rank}"
-        try:
-            if not self.store.check([key]):
-                return None
-            rec = json.loads(self.store.get(key))
-        except Exception:  # unreachable, or not ours
-            return None
-        return rec if isinstance(rec, dict) else None
-
-    def _note(self, kind: str, **fields: Any) -> None:
-        """Leave this rank's one note (the first wins)."""
-        if not self._noted:
-            self._noted = True
-            self._put("note", {"kind": kind, **fields})
-
     # -------------------------------------------------------------- failures
     def _fail(
         self, cls: type[DistributedStop], message: str, ranks: tuple[int, ...] = (),
@@ -255,7 +212,7 @@ class Peers:
         if self.failure is None:
             self.failure = _Failure(cls, message, tuple(ranks), step)
             if tell:
-                self._note("stop", step=step, type=cls.__name__, ranks=list(ranks),
+                self.notes.note("stop", step=step, type=cls.__name__, ranks=list(ranks),
                            message=message[:_NOTE_CHARS])  # fmt: skip
         return self.failure.error()
 
@@ -271,7 +228,9 @@ class Peers:
     def announce_failure(self, step: int, error: BaseException) -> None:
         """This rank raised ``error`` out of its guard: its ``failed`` note."""
         if not self.closed and self.failure is None:
-            self._note("failed", step=step, error=f"{type(error).__name__}: {error}"[:_NOTE_CHARS])
+            self.notes.note(
+                "failed", step=step, error=f"{type(error).__name__}: {error}"[:_NOTE_CHARS]
+            )
 
     def stopped(self, step: int, error: BaseException) -> None:
         """The guard stops with ``error`` at ``step``: this rank's failure (if the error
@@ -289,12 +248,12 @@ class Peers:
         module), as this rank's failure."""
         if self.failure is not None:
             return self.failure.error()
-        self._put("status", {"step": step, "what": what})
-        found = self._from_notes(step, what)
+        self.notes.put("status", {"step": step, "what": what})
+        found = self.notes.explain(step, what)
         if found is None:
             start = time.monotonic()
             named = self._barrier()
-            found = self._from_notes(step, what) or self._silence(
+            found = self.notes.explain(step, what) or self._silence(
                 named, start + self._barrier_s() + 0.5, step, what, error
             )
         cls, text, ranks = found
@@ -321,45 +280,6 @@ class Peers:
                 return [int(r) for r in m.group(1).replace(" ", "").split(",") if r]
         return []
 
-    def _from_notes(self, step: int, what: str) -> _Why | None:
-        """The first peer note that explains a failed collective of guard step ``step``."""
-        notes = {r: self._get("note", r) for r in range(self.world) if r != self.rank}
-        me = self.rank
-        for kind in ("failed", "stop", "exited", "finished"):
-            for p, rec in notes.items():
-                if rec is None or rec.get("kind") != kind:
-                    continue
-                at = rec.get("step", rec.get("steps", -1))
-                if kind == "failed":
-                    text = (f"rank {me} stops: rank {p} failed at guard step {at} "
-                            f"({rec.get('error')}); the ranks cannot go on without it")  # fmt: skip
-                    return PeerFailed, text, (p,)
-                if kind == "stop":
-                    cls: type[DistributedStop] = (
-                        GuardDesync if rec.get("type") == "GuardDesync" else PeerFailed
-                    )
-                    said = PREFIX.sub("", str(rec.get("message")))
-                    named = tuple(int(r) for r in rec.get("ranks") or ())
-                    whose = (  # a relay: the rank at fault is another (3 ranks or more)
-                        f", naming {ranks_text(named)} (not itself)"
-                        if named and p not in named
-                        else ""
-                    )
-                    text = f"rank {me} stops: rank {p} stopped at guard step {at}{whose}: {said}"
-                    return cls, text, named
-                if int(at) > step:
-                    continue  # it took part in this step: not why
-                if kind == "exited":
-                    why = f" ({rec['error']})" if rec.get("error") else ""
-                    text = (
-                        f"rank {me} waits in {what} of guard step {step}, but rank "
-                        f"{p} exited after {at} guard steps without guard.finish(){why}"
-                    )
-                    return PeerFailed, text, (p,)
-                how, doing = str(rec.get("how")), f"waits in {what} of"
-                return GuardDesync, _finished_text(me, doing, step, p, at, how), (p,)
-        return None
-
     def _silence(
         self, named: list[int], until: float, step: int, what: str, error: BaseException
     ) -> _Why:
@@ -369,7 +289,7 @@ class Peers:
         statuses: dict[int, dict[str, Any]] = {}
         while True:
             for r in late:
-                st = self._get("status", r)
+                st = self.notes.get("status", r)
                 if st is not None:
                     statuses[r] = st
             late = [r for r in late if r not in statuses]
@@ -377,50 +297,10 @@ class Peers:
                 break
             time.sleep(0.05)
         silent = sorted(set(late) | set(named))
-        me, how = self.rank, backend_words(error)
-        where = f"of guard step {step}" if step >= 0 else "(before the first guard step)"
-        if silent:
-            if _timed_out(error):
-                verb = "does" if len(silent) == 1 else "do"
-                own = self.timeout_s is not None and what != _REGION
-                limit = f" within {self.timeout_s:g} s" if own else ""
-                hint = (
-                    "guard.resume() runs on every rank together: call it on every rank or on none"
-                    if "resume()" in what
-                    else "A rank out of data must call guard.finish()"
-                )
-                bound = (
-                    "Guard(peer_timeout_s=...) sets this limit"
-                    if own
-                    else "init_process_group(timeout=...) bounds this wait (a collective the "
-                    "guard does not own)"
-                )
-                text = (
-                    f"rank {me} stops: no answer{limit} in {what} {where} ({how}): "
-                    f"{ranks_text(silent)} {verb} not answer (stopped, hung, or stuck outside "
-                    "the guard: a data loader, work of its own; torch.distributed."
-                    f"monitored_barrier found it missing). {hint}; {bound}"
-                )
-            else:
-                verb = "is" if len(silent) == 1 else "are"
-                text = (
-                    f"rank {me} stops {where.replace('of ', 'at ')}: {ranks_text(silent)} {verb} "
-                    "gone "
-                    f"(exited or killed): its connection closed in {what} ({how}), and it "
-                    "left no note and did not pass torch.distributed.monitored_barrier"
-                )
-            return PeerFailed, text, tuple(silent)
-        other = [(r, st) for r, st in sorted(statuses.items()) if st.get("step") != step]
-        if other:
-            r, st = other[0]
-            text = (
-                f"rank {me} stops: rank {me} waits in {what} of guard step {step}, but rank {r} "
-                f"in {st.get('what')} of guard step {st.get('step')}: the ranks are not in "
-                "step (a rank skipped or added a guard.step() call, or ran a collective of "
-                "its own)"
-            )
-            return GuardDesync, text, (r,)
-        return PeerFailed, f"rank {me} stops at guard step {step}: {what} failed ({how})", ()
+        return silence_why(
+            self.rank, silent, statuses, step, what, error,
+            self.timeout_s if what != _REGION else None,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- the end
     def finish(self, steps: int) -> None:
@@ -431,12 +311,12 @@ class Peers:
         that failed, or is silent past ``timeout_s``, a PeerFailed."""
         self.raise_if_failed()
         self.finishing = steps
-        if self.store is None:  # no store: the steps, all-gathered
+        if self.notes.store is None:  # no store: the steps, all-gathered
             records = self.all_gather_json({"steps": steps}, "guard.finish()")
             done = {r: int(rec.get("steps", -1)) for r, rec in enumerate(records)}
             done.pop(self.rank)
         else:
-            self._note("finished", steps=steps, how="guard.finish()")
+            self.notes.note("finished", steps=steps, how="guard.finish()")
             try:
                 done = self._await_finishes(steps)
             finally:
@@ -458,20 +338,20 @@ class Peers:
             if time.monotonic() - start > _SETTLE_S:
                 self._release()  # a peer still stepping: its collective ends now
             for r in list(late):
-                rec = self._get("note", r)
+                rec = self.notes.get("note", r)
                 if rec is not None and rec.get("kind") in ("finished", "exited"):
                     done[r] = int(rec.get("steps", -1))
                     late.remove(r)
                     continue
                 if rec is not None:  # a peer's failure or stop: take it up
-                    found = self._from_notes(steps, "guard.finish()")
+                    found = self.notes.explain(steps, "guard.finish()")
                     if found is not None:
                         raise self._fail(*found, steps, tell=False)
-                st = self._get("status", r)
+                st = self.notes.get("status", r)
                 if st is not None:  # its collective failed: its own stop, if it says one
-                    said = self._wait_note(r, time.monotonic() + 2.0)
+                    said = self.notes.wait(r, time.monotonic() + 2.0)
                     if said is not None and said.get("kind") == "stop":
-                        found = self._from_notes(steps, "guard.finish()")
+                        found = self.notes.explain(steps, "guard.finish()")
                         if found is not None:
                             raise self._fail(*found, steps, tell=False)
                     text = (f"rank {me} finished after {steps} guard steps, but rank {r} "
@@ -489,13 +369,6 @@ class Peers:
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
         return done
-
-    def _wait_note(self, rank: int, until: float) -> dict[str, Any] | None:
-        while True:
-            rec = self._get("note", rank)
-            if rec is not None or time.monotonic() >= until:
-                return rec
-            time.sleep(0.02)
 
     def _release(self, everything: bool = False) -> None:
         """Destroy the guard's timed group (after :meth:`finish`: nothing of the guard
@@ -524,7 +397,7 @@ class Peers:
         ``exited`` with it). Nothing is waited for: no thread, no pending receive."""
         if not self.closed and self.failure is None and self.finishing is None:
             if error is None:
-                self._note("finished", steps=self.steps, how="guard.close()")
+                self.notes.note("finished", steps=self.steps, how="guard.close()")
                 if self.steps:
                     warnings.warn(
                         f"floatguard: rank {self.rank}'s guard closed after {self.steps} guard "
@@ -536,7 +409,7 @@ class Peers:
                         stacklevel=4,
                     )
             else:
-                self._note("exited", steps=self.steps,
+                self.notes.note("exited", steps=self.steps,
                            error=f"{type(error).__name__}: {error}"[:_NOTE_CHARS])  # fmt: skip
         self.closed = True
         self._release(everything=True)
