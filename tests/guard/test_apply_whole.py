@@ -106,7 +106,7 @@ def test_a_raise_anywhere_in_the_apply_phase_leaves_everything_as_before(point: 
     def fail(*a: Any, **k: Any) -> Any:
         raise boom
 
-    actor: Actor = guard._actor  # the test reaches in to inject the failure
+    actor: Actor = guard._c.actor  # the test reaches in to inject the failure
     patches: dict[str, tuple[Any, str]] = {
         "snapshot": (actor.keeper, "take"),
         "clip": (actor.clipper, "apply"),
@@ -119,7 +119,7 @@ def test_a_raise_anywhere_in_the_apply_phase_leaves_everything_as_before(point: 
     }
     obj, name = patches[point]
     if point == "snapshot":  # make the step a snapshot step
-        guard._keeper.cadence.due = lambda good: True  # type: ignore[method-assign]
+        guard._c.keeper.cadence.due = lambda good: True  # type: ignore[method-assign]
     had = name in vars(obj)
     original = getattr(obj, name)
     setattr(obj, name, fail)
@@ -131,7 +131,7 @@ def test_a_raise_anywhere_in_the_apply_phase_leaves_everything_as_before(point: 
     else:
         delattr(obj, name)
     if point == "snapshot":
-        del guard._keeper.cadence.due
+        del guard._c.keeper.cadence.due
     after = _state(model, opt, sched, guard)
     assert _same(before, after), point
     assert torch.equal(torch.get_rng_state(), rng)

@@ -13,7 +13,7 @@ from torch import nn
 
 from floatguard import Guard, GuardStopped, SpikePolicy
 from floatguard.diagnose import diagnose
-from floatguard.guard.locate import FLOOR, JUMP
+from floatguard.guard.vetting import FLOOR, JUMP
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -324,7 +324,7 @@ def test_an_lr_x40_from_step_60_is_a_trend_warning_that_names_the_change() -> No
 def test_the_trend_watch_goes_through_the_guards_state_dict() -> None:
     noisy = _blobs(0, 120, lambda s: 1e-3, lambda s: 0.0)
     sd = noisy.state_dict()
-    assert sd["trend"] == noisy._trend.state_dict()  # (the test reads the guard's part)
+    assert sd["trend"] == noisy._c.trend.state_dict()  # (the test reads the guard's part)
     model = nn.Linear(20, 10)
     other = Guard(model, torch.optim.AdamW(model.parameters()))
     other.load_state_dict(sd)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from floatguard import Guard, ResponsePolicy
-from floatguard.guard.locate import FLOOR, IMPLAUSIBLE, JUMP, all_clean
+from floatguard.guard.vetting import FLOOR, IMPLAUSIBLE, JUMP, all_clean
 from floatguard.stability.snapshot import Snapshot, load_snapshot
 from floatguard.stability.snapshot_cadence import MAX_INTERVAL
 
@@ -156,7 +156,7 @@ def test_an_explicit_budget_sets_the_cadence_of_cpu_snapshots(
 def _full_rule(
     values: list[float], params: list[int], keys: list[str], before: dict[str, float], limit: float
 ) -> bool:
-    """The rule as Locator.vet's full pass states it: nothing bad."""
+    """The rule as StateCheck.vet's full pass states it: nothing bad."""
     for i, v in enumerate(values):
         is_param = i in params
         if not math.isfinite(v) or (is_param and v > limit):

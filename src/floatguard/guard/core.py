@@ -27,39 +27,21 @@ from torch import nn
 
 from floatguard.causes import CAUSES, Cause
 from floatguard.distributed import GuardDesync, PeerFailed
-from floatguard.events import EventLog
 from floatguard.guard import policy
 from floatguard.guard._setup import (
     check_args,
     check_log_path,
-    configuration,
-    rank_of,
-    world_size_of,
 )
-from floatguard.guard.act import Actor
-from floatguard.guard.batch_id import BatchInputs
-from floatguard.guard.channel import ReadChannel
-from floatguard.guard.emit import GuardEvents
-from floatguard.guard.judge import Judge, StepVerdict
-from floatguard.guard.locate import Locator, named_root
-from floatguard.guard.peers import Peers
-from floatguard.guard.persist import GuardCheckpoint, RunState
-from floatguard.guard.read import StepRead, StepReader
-from floatguard.guard.repro_writer import ReproWriter
-from floatguard.guard.run import StepRunner, as_closures
+from floatguard.guard.crew import build_crew
+from floatguard.guard.judge import StepVerdict
+from floatguard.guard.read import StepRead
+from floatguard.guard.run import as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
-from floatguard.guard.update_check import UpdateCheck
-from floatguard.guard.watches import SilentWatches
-from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
-from floatguard.stability.clipper import Clipper
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.snapshot import Snapshot
-from floatguard.stability.snapshot_keeper import SnapshotKeeper
-from floatguard.stability.spike_watch import SpikeDetector, SpikeWatch
-from floatguard.stability.stall import StallWatch
-from floatguard.stability.step_state import StepState
-from floatguard.stability.trend import TrendPolicy, TrendWatch
+from floatguard.stability.spike_watch import SpikeDetector
+from floatguard.stability.trend import TrendPolicy
 
 __all__ = ["Guard"]
 
@@ -172,123 +154,15 @@ class Guard:
             scaler if scaler is not None else DynamicLossScaler(enabled=precision == "fp16")
         )
         check_log_path(log, self._response)  # never one of the guard's own files
-        # collaborators
-        self._events = EventLog(log, rank=rank_of(self._distributed, process_group))
-        self._emit = GuardEvents(self._events)
-        self._clipper = Clipper(self._clip)
-        self._spike_watch = SpikeWatch(self._spikes)
-        # The guard starts the monitors' steps itself, so records of every micro-batch
-        # of an accumulated step are there when the step is decided.
-        self._monitor = Monitor(model, auto_step=False).attach() if watch == "hooks" else None
-        self._stats_monitor = (
-            Monitor(model, mode="stats", every=stats_every, auto_step=False).attach()
-            if stats_every is not None
-            else None
-        )
-        peers = (
-            Peers(
-                process_group,
-                timeout_s=peer_timeout_s,
-                device=self._device,
-                on_stop=self._emit.stop,
-            )
-            if self._distributed
-            else None
-        )
-        self._channel = ReadChannel(
-            model,
-            peers,
-            process_group,
-            configuration(precision, watch, self._clip, self._spikes, self._response, model),
-            norm_type=self._clip.norm_type,
-        )
-        on_loss = self._monitor.check_loss if self._monitor is not None else None
-        self._runner = StepRunner(
-            precision,
-            self._device,
-            self._scaler,
-            self._channel.region,
-            on_loss,
-            [p for g in optimizer.param_groups for p in g["params"]],
-        )
-        self._reader = StepReader(
-            optimizer, self._scaler, self._channel, self._monitor, self._device
-        )
-        self._state = StepState(model)
-        self._state.save()
-        self._updates = UpdateCheck(optimizer)
-        names = {id(p): n for n, p in named_root(model).named_parameters()}
-        self._stall = StallWatch(optimizer, names)
-        self._trend = TrendWatch(trend)
-        self._watches = SilentWatches(self._trend, self._stall, self._emit, self._scaler)
-        self._inputs = BatchInputs(model)
-        self._step_inputs: list[tuple[Any, ...]] = []
-        self._ended = False
-        self._locator = Locator(
-            model,
-            optimizer,
-            precision,
-            self._state,
-            self._runner,
-            self._reader,
-            self._channel,
-            self._device,
-            self._updates,
-        )
-        self._repro = (
-            ReproWriter(
-                self._response.repro_dir,
-                self._response.repro_level,
-                self._response.repro_keep,
-                model,
-                optimizer,
-                self._locator,
-                precision=precision,
-                device=self._device,
-                rank=self._channel.rank if self._distributed else None,
-                world_size=world_size_of(self._distributed, process_group),
-                scaler=self._scaler,
-                step_state=self._state,
-                spike_watch=self._spike_watch,
-                events=self._emit,
-            )
-            if self._response.repro_dir is not None
-            else None
-        )
-        self._run = RunState()  # the step counter, the policy's counters, the stage
-        self._keeper = SnapshotKeeper(self._response, self._emit)
-        self._actor = Actor(
-            self._run,
-            optimizer,
-            scheduler,
-            self._scaler,
-            self._state,
-            self._reader,
-            self._clipper,
-            self._spike_watch,
-            self._keeper,
-            self._emit,
-            self._response,
-            self._stateful,
-            self._updates,
-            step_scheduler,
-            self._stall if self._stall.active else None,
-        )
-        self._judge = Judge(
-            self._response,
-            watch,
-            self._scaler,
-            self._clipper,
-            self._spike_watch,
-            self._locator,
-            self._channel,
-            self._keeper,
-        )
-        self._checkpoint = GuardCheckpoint(
-            self._run, model, optimizer, scheduler, self._own_parts, self._keeper, self._judge,
-            self._channel, self._state, self._trend, self._emit, self._device,
+        self._c = build_crew(
+            model, optimizer, scheduler, precision=precision, watch=watch,
+            distributed=self._distributed, process_group=process_group, device=self._device,
+            clip=self._clip, spikes=self._spikes, response=self._response, scaler=self._scaler,
+            log=log, stats_every=stats_every, peer_timeout_s=peer_timeout_s,
+            step_scheduler=step_scheduler, trend=trend,
         )  # fmt: skip
-        self._emit.run(
+        self._ended = False
+        self._c.emit.run(
             precision,
             self._scaler.enabled,
             model,
@@ -311,71 +185,71 @@ class Guard:
     spikes = property(lambda self: self._spikes)
     response = property(lambda self: self._response)
     scaler = property(lambda self: self._scaler)
-    events = property(lambda self: self._events)
-    monitor = property(lambda self: self._monitor)
-    stats_monitor = property(lambda self: self._stats_monitor)
+    events = property(lambda self: self._c.events)
+    monitor = property(lambda self: self._c.monitor)
+    stats_monitor = property(lambda self: self._c.stats_monitor)
 
     @property
     def zclip(self) -> Any:
-        return self._clipper.zclip
+        return self._c.clipper.zclip
 
     @property
     def loss_detector(self) -> SpikeDetector | None:
-        return self._spike_watch.loss
+        return self._c.spike_watch.loss
 
     @property
     def norm_detector(self) -> SpikeDetector | None:
-        return self._spike_watch.grad_norm
+        return self._c.spike_watch.grad_norm
 
     @property
     def ladder(self) -> policy.LadderState:
         """The response policy's counters (read-only; see :mod:`floatguard.guard.policy`)."""
-        return self._run.ladder
+        return self._c.run.ladder
 
-    good_steps = property(lambda self: self._run.ladder.good_steps)
-    consecutive_bad = property(lambda self: self._run.ladder.consecutive_bad)
-    rollbacks = property(lambda self: self._run.ladder.rollbacks)
-    transients = property(lambda self: self._run.ladder.transients)
-    skip_remaining = property(lambda self: self._run.ladder.skip_remaining)
-    lr_factor = property(lambda self: self._run.ladder.lr_factor)
+    good_steps = property(lambda self: self._c.run.ladder.good_steps)
+    consecutive_bad = property(lambda self: self._c.run.ladder.consecutive_bad)
+    rollbacks = property(lambda self: self._c.run.ladder.rollbacks)
+    transients = property(lambda self: self._c.run.ladder.transients)
+    skip_remaining = property(lambda self: self._c.run.ladder.skip_remaining)
+    lr_factor = property(lambda self: self._c.run.ladder.lr_factor)
 
     @property
     def step_count(self) -> int:
         """The number of guard steps taken (the index of the next step)."""
-        return self._run.step_count
+        return self._c.run.step_count
 
     @step_count.setter
     def step_count(self, value: int) -> None:
-        self._run.step_count = value
+        self._c.run.step_count = value
 
     @property
     def last_snapshot(self) -> Snapshot | None:
         """The snapshot a rollback would restore (in memory)."""
-        return self._keeper.snapshot
+        return self._c.keeper.snapshot
 
     # ------------------------------------------------------------ loop API
     def autocast(self) -> Any:
         """``torch.autocast`` to the guard's precision (nothing for fp32)."""
-        return self._runner.autocast()
+        return self._c.runner.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of the (scaled, for fp16) loss; the loss is kept for the step's
         decision. May be called several times before :meth:`step` (gradient
         accumulation): the step is decided on the mean loss."""
-        self._runner.backward(loss)
+        self._c.runner.backward(loss)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record a micro-batch's loss for this step's decision without running its
         backward (for loops that run the backward themselves: the integrations)."""
-        self._runner.record(loss)
+        self._c.runner.record(loss)
 
     def has_recorded_losses(self) -> bool:
         """Whether a loss was recorded (:meth:`backward`, :meth:`record_loss`) for this step."""
-        return bool(self._runner.losses)
+        return bool(self._c.runner.losses)
 
     def recorded_losses_finite(self) -> torch.Tensor:
         """Whether the losses recorded for this step are all finite: a device bool, no sync."""
-        return self._runner.losses_finite()
+        return self._c.runner.losses_finite()
 
     def step(
         self,
@@ -394,69 +268,69 @@ class Guard:
         ``metric``: what a metric-driven scheduler (``ReduceLROnPlateau``) is stepped
         with when the step is applied (default: the step's loss).
         """
-        self._actor.metric = (
+        self._c.actor.metric = (
             None if metric is None else float(metric)  # a tensor is read: the caller's
         )
         try:
             return self._step(closure, replay)
         except (PeerFailed, GuardDesync) as e:
-            self._channel.stopped(self.step_count, e)  # the stop event, once
+            self._c.channel.stopped(self.step_count, e)  # the stop event, once
             raise
         except GuardStopped:
             raise  # decided together: every rank raises it
         except BaseException as e:
-            self._channel.announce_failure(self.step_count, e)
+            self._c.channel.announce_failure(self.step_count, e)
             raise
 
     @property
     def ended(self) -> bool:
         """Whether :meth:`finish` or :meth:`close` was called (a step is then refused)."""
-        return self._channel.finished or self._channel.closed
+        return self._c.channel.finished or self._c.channel.closed
 
     def finish(self) -> None:
         """End the run after the last step: under torch.distributed a join, every rank
         after as many guard steps (else GuardDesync on every rank; a rank gone: PeerFailed)."""
         try:
-            self._channel.finish(self.step_count)
+            self._c.channel.finish(self.step_count)
         except (PeerFailed, GuardDesync) as e:
-            self._channel.stopped(self.step_count, e)
+            self._c.channel.stopped(self.step_count, e)
             raise
 
     def _step(
         self, closure: Closure | Sequence[Closure] | None, replay: Sequence[Closure] | None
     ) -> StepResult:
-        closures, run, keeper = as_closures(closure), self._run, self._keeper
-        if not closures and not self._runner.losses:
+        closures, run, keeper = as_closures(closure), self._c.run, self._c.keeper
+        if not closures and not self._c.runner.losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
-        self._channel.begin(run.step_count)  # a peer failed, finished or exited: stop now
+        self._c.channel.begin(run.step_count)  # a peer failed, finished or exited: stop now
         step = run.step_count
         if keeper.first_due:  # the first snapshot's RNG: where this step begins
-            self._state.rng = self._state.rng_now()
-        keeper.begin_step(step, run.ladder.good_steps, self._checkpoint.capture)
+            self._c.state.rng = self._c.state.rng_now()
+        keeper.begin_step(step, run.ladder.good_steps, self._c.checkpoint.capture)
         run.stage = "running"
         try:
             if closures:
-                self._state.rng = self._state.rng_now()  # the draws this step's forward makes
-                self._runner.run(closures, before_last_backward=self._channel.arm_for(step))
+                self._c.state.rng = self._c.state.rng_now()  # the draws this step's forward makes
+                self._c.runner.run(closures, before_last_backward=self._c.channel.arm_for(step))
             else:
                 closures = as_closures(replay) if replay else []
-            self._step_inputs = self._inputs.take()  # this step's batch, before any replay
+            self._c.scratch.keep_batch()  # this step's batch, before any replay
             run.step_count, run.stage = step + 1, "deciding"
             # A snapshot step reads the state's magnitudes with the step, to vet them.
             reads = keeper.reads_state(run.ladder.good_steps)
-            state_tensors, magnitudes = self._locator.magnitudes() if reads else ([], None)
-            read = self._reader.read(step, self._runner.mean_loss(), magnitudes)  # one read
+            state_tensors, magnitudes = self._c.check.magnitudes() if reads else ([], None)
+            read = self._c.reader.read(step, self._c.runner.mean_loss(), magnitudes)  # one read
             vetted = (state_tensors, list(read.extra))
             if keeper.vetting_first:
-                self._checkpoint.first_vetted(step, vetted)
-            verdict = self._judge.judge(
+                self._c.checkpoint.first_vetted(step, vetted)
+            verdict = self._c.judge.judge(
                 step, read, closures, vetted, run.ladder, run.previous_applied
             )
             return self._act(step, read, verdict, closures)
         except BaseException:
             if not run.applied():  # the step did not happen: as if it had not begun
                 run.step_count = step
-                self._undo()
+                self._c.scratch.undo()
                 keeper.abort_step()
             raise
         finally:
@@ -492,19 +366,19 @@ class Guard:
         the ranks behind, when the step agreed is older). Feed the data from the
         returned step on.
         """
-        return self._checkpoint.resume(path, foreign)
+        return self._c.checkpoint.resume(path, foreign)
 
     def state_dict(self) -> dict[str, Any]:
         """The guard's own state, for a framework's checkpoint (Lightning keeps a
         callback's): step counter, counters, loss scaler, clipper and spike detectors.
         Not the model, optimizer or scheduler (the framework saves those)."""
-        return self._checkpoint.state_dict()
+        return self._c.checkpoint.state_dict()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (a guard configured the same way).
         The guard then continues the run its ``snapshot_dir`` belongs to (as after
         :meth:`resume`), so a framework's resume keeps the folder's snapshots its own."""
-        self._checkpoint.load_state_dict(sd)
+        self._c.checkpoint.load_state_dict(sd)
 
     def skip_external(
         self,
@@ -519,34 +393,21 @@ class Guard:
         (when the scales are given) and a ``step`` event written. One host read."""
         if reason not in CAUSES:
             raise ValueError(f"skip_external(reason={reason!r}); use one of {CAUSES}")
-        step = self._run.step_count
-        self._run.step_count += 1
-        loss = float(self._runner.mean_loss()) if self._runner.losses else math.nan
-        self._discard()
-        self._state.save()
-        self._run.previous_applied = False
+        step = self._c.run.step_count
+        self._c.run.step_count += 1
+        loss = float(self._c.runner.mean_loss()) if self._c.runner.losses else math.nan
+        self._c.scratch.discard()
+        self._c.state.save()
+        self._c.run.previous_applied = False
         if scale_before is not None and scale_after is not None:
-            self._emit.overflow(step, scale_before, scale_after)
+            self._c.emit.overflow(step, scale_before, scale_after)
         scale = scale_after if scale_after is not None else self._scaler.get_scale()
         result = StepResult(
-            step, "skipped", reason, loss, math.nan, scale, 1.0, self._run.ladder.lr_factor,
-            snapshot_age=self._keeper.age(self._run.step_count),
+            step, "skipped", reason, loss, math.nan, scale, 1.0, self._c.run.ladder.lr_factor,
+            snapshot_age=self._c.keeper.age(self._c.run.step_count),
         )  # fmt: skip
-        self._emit.step(result)
+        self._c.emit.step(result)
         return result
-
-    def _stateful(self) -> dict[str, Any]:
-        """Everything a snapshot captures and a rollback restores."""
-        return self._checkpoint.objects()
-
-    def _own_parts(self) -> dict[str, Any]:
-        """The parts of the guard's own state a framework's checkpoint keeps."""
-        return {
-            "scaler": self._scaler,
-            "zclip": self.zclip,
-            "loss_detector": self.loss_detector,
-            "norm_detector": self.norm_detector,
-        }
 
     # ----------------------------------------------------------------- act
     def _act(
@@ -556,26 +417,26 @@ class Guard:
         lr = self._lr(verdict.decision.state.lr_factor)  # what the update uses
         schedule_lr = self._lr(1.0)  # the schedule's, the guard's back-off left out
         batch = (
-            self._inputs.identity(step, self._step_inputs)
+            self._c.inputs.identity(step, self._c.scratch.batch)
             if verdict.fault is not None or verdict.spike is not None
             else None
         )
-        if self._repro is not None and verdict.decision.response != "apply":
-            self._repro.bad_step(  # before a rollback
-                step, verdict, self._judge.local, read.bad_ranks, closures, self._step_inputs
+        if self._c.repro is not None and verdict.decision.response != "apply":
+            self._c.repro.bad_step(  # before a rollback
+                step, verdict, self._c.judge.local, read.bad_ranks, closures, self._c.scratch.batch
             )
         try:
-            action, self._run.ladder = self._actor.act(
-                step, read, verdict, self._checkpoint.before_update, batch
+            action, self._c.run.ladder = self._c.actor.act(
+                step, read, verdict, self._c.checkpoint.before_update, batch
             )
         except GuardStopped:
-            self._run.ladder = verdict.decision.state
+            self._c.run.ladder = verdict.decision.state
             raise
-        self._run.previous_applied = action == "applied"
-        if self._run.previous_applied:
-            self._watches.applied(step, read, schedule_lr, scale)
-        self._keeper.end_step()
-        self._end_step()
+        self._c.run.previous_applied = action == "applied"
+        if self._c.run.previous_applied:
+            self._c.watches.applied(step, read, schedule_lr, scale)
+        self._c.keeper.end_step()
+        self._c.scratch.end(self.step_count - 1)
         result = StepResult(
             step,
             action,
@@ -584,12 +445,12 @@ class Guard:
             read.grad_norm,
             scale,
             verdict.clip[0],
-            self._run.ladder.lr_factor,
+            self._c.run.ladder.lr_factor,
             verdict.fault,
-            self._keeper.age(self.step_count),
+            self._c.keeper.age(self.step_count),
             lr,
         )
-        self._emit.step(result)
+        self._c.emit.step(result)
         return result
 
     def _lr(self, factor: float) -> float | None:
@@ -598,38 +459,6 @@ class Guard:
         if lr is None or isinstance(lr, torch.Tensor):
             return None  # (a tensor LR is not read: that would be a sync)
         return float(lr) * factor
-
-    def _undo(self) -> None:
-        """A step that raised (its closure, a SnapshotError, ...): discarded, and the RNG
-        back where the step began, so a retry draws what an uninterrupted run draws."""
-        self._discard()
-        self._state.restore_rng()
-
-    def _discard(self) -> None:
-        self._optimizer.zero_grad(set_to_none=True)
-        self._runner.clear()
-        self._step_inputs = []
-        self._inputs.take()
-        self._state.restore_buffers()
-        if self._scaler.enabled:
-            self._scaler.skip_step()
-        for mon in (self._monitor, self._stats_monitor):
-            if mon is not None:
-                mon.reset()
-
-    def _end_step(self) -> None:
-        if self._stats_monitor is not None:
-            summary = self._stats_monitor.stats_summary()  # empty on unsampled steps
-            if summary:
-                self._emit.stats(self.step_count - 1, summary)
-            self._stats_monitor.next_step()
-        self._optimizer.zero_grad(set_to_none=True)
-        self._runner.clear()
-        self._step_inputs = []
-        self._inputs.take()  # replays' calls
-        if self._monitor is not None:
-            self._monitor.next_step()
-        self._state.save()
 
     def close(self) -> None:
         """Detach the monitors, let go of the snapshot folder's lock, close the event log
@@ -643,32 +472,14 @@ class Guard:
     def _close(self, error: BaseException | None) -> None:
         if not self._ended:
             self._ended = True
-            self._end()
-        self._inputs.close()
-        for mon in (self._monitor, self._stats_monitor):
-            if mon is not None:
-                mon.detach()
-        self._keeper.close()
-        self._channel.close(error)
-        self._events.close()
-
-    def _end(self) -> None:
-        """The ``end`` event: whether the run ends with finite weights, optimizer state
-        and floating buffers (one read, at close), which are not, the LR factor."""
-        try:
-            bad = self._locator.nonfinite_now(self._keeper.amax)
-        except Exception:  # closing must not fail on the check
-            bad = None
-        lr = self._lr(self._run.ladder.lr_factor)
-        scale = self._scaler.get_scale() if self._scaler.enabled else None
-        self._emit.end(
-            self.step_count,
-            None if bad is None else not bad,
-            bad or [],
-            self._run.ladder.lr_factor,
-            lr,
-            scale,
-        )
+            self._c.watches.run_ended(
+                self.step_count, self._c.check, self._c.keeper.amax,
+                self._c.run.ladder.lr_factor, self._lr(self._c.run.ladder.lr_factor),
+            )  # fmt: skip
+        self._c.scratch.close()
+        self._c.keeper.close()
+        self._c.channel.close(error)
+        self._c.events.close()
 
     def __enter__(self) -> Guard:
         return self

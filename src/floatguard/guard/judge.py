@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from floatguard.guard import policy
 from floatguard.guard.channel import ReadChannel
-from floatguard.guard.locate import Locator, StateTensor, Vetting
+from floatguard.guard.locate import Locator
 from floatguard.guard.read import StepRead
 from floatguard.guard.types import Closure, Watch
+from floatguard.guard.vetting import StateTensor, Vetting
 from floatguard.monitor.localize import Fault
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.clipper import Clipper
@@ -136,7 +137,7 @@ class Judge:
     def vet(self, step: int, after_update: bool, magnitudes: Magnitudes | None = None) -> Vetting:
         """The parameter and optimizer-state check (read here, or ``magnitudes`` read
         with the step), against the last snapshot's magnitudes."""
-        return self.locator.vet(
+        return self.locator.check.vet(
             step,
             previous_amax=self.keeper.amax,
             after_update=after_update,

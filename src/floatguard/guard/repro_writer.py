@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import StepVerdict
-from floatguard.guard.locate import FLOOR, Locator, named_root
+from floatguard.guard.locate import Locator
 from floatguard.guard.policy import fault_key
 from floatguard.guard.repro_payload import (
     _cpu,
@@ -45,6 +45,7 @@ from floatguard.guard.repro_payload import (
     _tree,
 )
 from floatguard.guard.types import Closure
+from floatguard.guard.vetting import FLOOR, named_root
 from floatguard.monitor.localize import Fault
 from floatguard.repro.bundle import FORMAT, MAGIC, run_tape, save_bundle
 from floatguard.repro.tape import Site, TapeRecorder

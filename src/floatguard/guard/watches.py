@@ -1,12 +1,14 @@
 """The watches of what does not NaN, after an applied step: the slow-divergence trend
 (:class:`~floatguard.stability.trend.TrendWatch`, every applied step) and updates lost
 to rounding (:class:`~floatguard.stability.stall.StallWatch`, its sampled steps); each
-alarm is a ``warning`` event with its code and evidence, never a response."""
+alarm is a ``warning`` event with its code and evidence, never a response; and at
+close, whether the run ends with a finite state (the ``end`` event)."""
 
 from __future__ import annotations
 
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.read import StepRead
+from floatguard.guard.vetting import StateCheck
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.stall import StallWatch
 from floatguard.stability.trend import TrendWatch
@@ -38,3 +40,17 @@ class SilentWatches:
                 self.events.warning(
                     step, StallWatch.message(stalled), code="stalled_updates", evidence=stalled
                 )
+
+    def run_ended(
+        self, step: int, check: StateCheck, amax: dict[str, float], lr_factor: float,
+        lr: float | None,
+    ) -> None:  # fmt: skip
+        """The ``end`` event: whether the run ends with finite weights, optimizer state
+        and floating buffers (one read, at close; ``amax``: the last snapshot's
+        magnitudes, for the buffer rule), which are not, the LR factor, LR and scale."""
+        try:
+            bad = check.nonfinite_now(amax)
+        except Exception:  # closing must not fail on the check
+            bad = None
+        scale = self.scaler.get_scale() if self.scaler.enabled else None
+        self.events.end(step, None if bad is None else not bad, bad or [], lr_factor, lr, scale)

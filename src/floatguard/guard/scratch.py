@@ -1,0 +1,80 @@
+"""What a step leaves behind besides its update, and how it is cleared."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from floatguard.guard.batch_id import BatchInputs
+from floatguard.guard.emit import GuardEvents
+from floatguard.guard.run import StepRunner
+from floatguard.monitor.hooks import Monitor
+from floatguard.scaling.loss_scale import DynamicLossScaler
+from floatguard.stability.step_state import StepState
+
+__all__ = ["StepScratch"]
+
+
+class StepScratch:
+    """A step's leftovers: the gradients, the recorded losses, its batch kept by
+    reference (``batch``: the inputs of its forward calls, before any replay), the
+    buffers' and RNG's saved state, the monitors' records. :meth:`end` clears them
+    after a decided step; :meth:`undo` after one that raised, as if it had not begun."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, runner: StepRunner, inputs: BatchInputs,
+        state: StepState, scaler: DynamicLossScaler, monitor: Monitor | None,
+        stats_monitor: Monitor | None, events: GuardEvents,
+    ) -> None:  # fmt: skip
+        self.optimizer, self.runner, self.inputs, self.state = optimizer, runner, inputs, state
+        self.scaler, self.monitor, self.stats_monitor = scaler, monitor, stats_monitor
+        self.events = events
+        self.batch: list[tuple[Any, ...]] = []
+
+    def keep_batch(self) -> None:
+        """The step's forward calls ran: keep their inputs (by reference, no copy)."""
+        self.batch = self.inputs.take()
+
+    def undo(self) -> None:
+        """A step that raised (its closure, a SnapshotError, ...): discarded, and the RNG
+        back where the step began, so a retry draws what an uninterrupted run draws."""
+        self.discard()
+        self.state.restore_rng()
+
+    def discard(self) -> None:
+        """A step not applied leaves nothing: gradients, losses, batch, buffers (put
+        back), the scaler's growth (skipped), the monitors' records."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.runner.clear()
+        self.batch = []
+        self.inputs.take()
+        self.state.restore_buffers()
+        if self.scaler.enabled:
+            self.scaler.skip_step()
+        for mon in (self.monitor, self.stats_monitor):
+            if mon is not None:
+                mon.reset()
+
+    def end(self, step: int) -> None:
+        """Step ``step`` was decided: its ``stats`` event (on sampled steps), then the
+        gradients, losses and batch cleared and the next step's starting state saved."""
+        if self.stats_monitor is not None:
+            summary = self.stats_monitor.stats_summary()  # empty on unsampled steps
+            if summary:
+                self.events.stats(step, summary)
+            self.stats_monitor.next_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.runner.clear()
+        self.batch = []
+        self.inputs.take()  # replays' calls
+        if self.monitor is not None:
+            self.monitor.next_step()
+        self.state.save()
+
+    def close(self) -> None:
+        """The guard ends: the monitors detached, the inputs' hooks removed."""
+        self.inputs.close()
+        for mon in (self.monitor, self.stats_monitor):
+            if mon is not None:
+                mon.detach()
