@@ -499,7 +499,7 @@ def test_a_bad_batch_is_not_an_instability() -> None:
     )
     assert b.cause.startswith("one batch, not the training")
     assert "fingerprint" in b.fix and "the LR and the model need no change" in b.fix
-    assert s.title == "Sustained instability from step 61"
+    assert s.title == "Sustained instability: from step 61"
     assert s.evidence == (
         "5 spikes from step 61 on (steps 61, 62, 78, 79, 90), on 5 different batches; 13 steps "
         "not applied (loss spikes: 5, after rollback: 8); 1 rollback(s); LR back-offs down to "
@@ -530,7 +530,7 @@ def test_the_same_bad_batch_every_epoch_is_said() -> None:
         for s in (40, 140)
     ]  # fmt: skip
     f = found(evs)["bad_batch"]
-    assert f.title == "2 bad batches (spikes that did not recur)" and f.severity == 2
+    assert f.title == "Bad batches: 2, spikes that did not recur" and f.severity == 2
     assert "the same batch (fingerprint aaaaaaaaaaaaaaaa) spiked at steps 40, 140" in f.evidence
 
 
@@ -590,6 +590,20 @@ def test_every_finding_id_has_a_spec_and_no_finding_outranks_it() -> None:
                 for value in _severities(sev):
                     assert value is None or value <= SPECS[rid.value].severity, rid.value
     assert seen <= declared and len(seen) >= 25  # the scan found the findings
+
+
+def test_a_findings_title_is_its_specs() -> None:
+    """The title comes from the spec (one place), with the finding's detail after it."""
+    plain = Finding("scale_collapse", "", "e", "c", "f", 3)
+    assert plain.title == SPECS["scale_collapse"].title == plain.to_dict()["title"]
+    told = Finding("repeated_module", "in fc2", "e", "c", "f", 3, (4, 5))
+    assert told.title == f"{SPECS['repeated_module'].title}: in fc2"
+    assert told.to_dict() == {
+        "rule": "repeated_module", "detail": "in fc2", "title": told.title, "evidence": "e",
+        "cause": "c", "fix": "f", "severity": 3, "steps": [4, 5],
+    }  # fmt: skip
+    with pytest.raises(KeyError):
+        _ = Finding("no_such_rule", "", "e", "c", "f", 1).title
 
 
 def test_list_rules_prints_every_rule_with_its_lesson_and_fix(

@@ -93,12 +93,12 @@ def test_diagnose_names_the_unread_lines_in_text_and_json(
         cli.main(["diagnose", "--json", str(path)])
     out = capsys.readouterr().out
     (unread,) = [f for f in json.loads(out) if f["rule"] == "unreadable_events"]
-    assert unread["title"].startswith("3 line(s)")
+    assert unread["title"] == "Lines or events could not be read: 3 line(s) or event(s)"
     for line in lines:
         assert line in unread["evidence"]
     with pytest.raises(SystemExit):
         cli.main(["diagnose", str(path)])
     text = capsys.readouterr().out.replace("\n", "")
-    assert "3 line(s) or event(s) could not be read" in text
+    assert "Lines or events could not be read: 3 line(s) or event(s)" in text
     for line in lines:
         assert line in text

@@ -40,7 +40,7 @@ def test_the_timeline_has_an_lr_panel_when_the_log_has_the_lr(tmp_path: Path) ->
 def test_the_verdicts_state_colours_the_page(tmp_path: Path) -> None:
     page = render_report(runs.lr_x40(), tmp_path).read_text(encoding="utf-8")
     assert "<div class='verdict unresolved'>13 of 100 steps not applied" in page
-    assert ".unresolved{" in page and "Sustained instability from step 61" in page
+    assert ".unresolved{" in page and "Sustained instability: from step 61" in page
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,7 @@ def diagnose(events: Iterable[Event], unread: Sequence[str] = ()) -> list[Findin
             found.extend(rule(log))
         except Exception as e:  # a rule's bug must not hide the others' findings
             found.append(Finding(
-                "rule_failed", f"The {rule.__name__} rule could not read this run",
+                "rule_failed", f"the {rule.__name__} rule",
                 f"{type(e).__name__}: {e}",
                 "a floatguard bug: the rule met a log it did not expect",
                 "report it with the log (floatguard's issue tracker); the other findings stand",
@@ -88,7 +88,7 @@ def diagnose(events: Iterable[Event], unread: Sequence[str] = ()) -> list[Findin
             ))  # fmt: skip
     if problems:
         found.append(Finding(
-            "unreadable_events", f"{len(problems)} line(s) or event(s) could not be read",
+            "unreadable_events", f"{len(problems)} line(s) or event(s)",
             "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5
                                        else ""),
             "a line cut short (a run killed mid-write), an event without a field it needs "

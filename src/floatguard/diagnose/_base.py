@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from floatguard._event_schema import finite as _finite
+from floatguard.diagnose.specs import SPECS
 from floatguard.events import Event
 from floatguard.runlog import RunLog, Steps
 from floatguard.stability import episodes
@@ -16,19 +17,29 @@ from floatguard.stability import episodes
 
 @dataclass(frozen=True)
 class Finding:
-    """One diagnosis: what was seen (``evidence``), why it likely happened, what to do."""
+    """One diagnosis: what was seen (``evidence``), why it likely happened, what to do.
+
+    ``rule``: the finding's id, which names its spec (:data:`~floatguard.diagnose.specs.
+    SPECS`); the title is the spec's, with ``detail`` (this finding's module, step or
+    signal; "" for none) after a colon."""
 
     rule: str
-    title: str
+    detail: str
     evidence: str
     cause: str
     fix: str
     severity: int  # 3: stops or corrupts a run; 2: costs steps; 1: worth a look
     steps: tuple[int, ...] = field(default=())
 
+    @property
+    def title(self) -> str:
+        """The spec's title, and this finding's detail."""
+        base = SPECS[self.rule].title
+        return f"{base}: {self.detail}" if self.detail else base
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["steps"] = list(self.steps)
+        d["title"], d["steps"] = self.title, list(self.steps)
         return d
 
 

@@ -43,7 +43,7 @@ def bad_input(events: RunLog) -> list[Finding]:
     if rank is not None:
         first += f", on rank {rank}"
     found = [Finding(
-        "bad_input", "Non-finite values in the data",
+        "bad_input", "",
         f"{len(hits)} batch(es) carried NaN/inf into the step (steps {_list(steps)}); "
         f"first at {first}",
         "the data pipeline produced them (a corrupted sample, a bad loss mask, a division "
@@ -74,7 +74,7 @@ def _repeated_input(events: RunLog, hits: list[Event], stopped: bool) -> Finding
     else:
         pattern = f"at irregular steps, {len(hits)} of {total} steps"
     return Finding(
-        "repeated_bad_input", "Non-finite batches keep coming",
+        "repeated_bad_input", "",
         f"{len(hits)} non-finite batch(es) {pattern}; in {', '.join(tensors[:3]) or 'the input'}",
         "not bad luck: a sample or a preprocessing step that always yields NaN/inf (a "
         "log of 0, a division by a zero count, an uninitialized buffer in the loader); "
@@ -104,7 +104,7 @@ def optimizer_update(events: RunLog) -> list[Finding]:
     names = sorted({_name(e) for e in hits})
     cause, fix = _update_advice(run_info(events))
     return [Finding(
-        rule="optimizer_update", title="The optimizer update made a weight non-finite",
+        rule="optimizer_update", detail="",
         evidence=(f"{', '.join(names)} finite with finite gradients before the update of "
                   f"step {hits[0].step - 1}, non-finite after it (step(s) {_list(steps)})"
                   f"{_on_ranks(hits)}"),
@@ -160,7 +160,7 @@ def update_or_outside(events: RunLog) -> list[Finding]:
     update_cause, update_fix = _update_advice(run_info(events))
     return [Finding(
         "update_or_outside",
-        "A weight went non-finite between two checks: the update, or a write outside it",
+        "by the update, or by a write outside it",
         f"{', '.join(names)}: {since} (found at step(s) {_list(steps)}){_on_ranks(hits)}; "
         "the guard did not see whether the optimizer update or a write outside it made it",
         f"either the update: {update_cause}; or {_OUTSIDE_CAUSE}",
@@ -202,7 +202,7 @@ def bad_optimizer_state(events: RunLog) -> list[Finding]:
                "guard rolled back to the last snapshot, whose states were vetted finite; if "
                "it recurs on one machine only, check its memory (ECC errors)")  # fmt: skip
     return [Finding(
-        rule="bad_optimizer_state", title="An optimizer state tensor went non-finite",
+        rule="bad_optimizer_state", detail="",
         evidence=f"{', '.join(names)} at step(s) {_list(steps)}{_on_ranks(hits)}",
         cause=cause, fix=fix, severity=3, steps=steps,
     )]  # fmt: skip
@@ -219,7 +219,7 @@ def bad_parameter(events: RunLog) -> list[Finding]:
     names = sorted({_name(e) for e in hits})
     if all(_param_kind(e) == "outside" for e in hits):
         return [Finding(
-            "bad_parameter", "A weight was written outside the optimizer update",
+            "bad_parameter", "written outside the optimizer update",
             f"{', '.join(names)} went bad between two steps, and the last update could not "
             "have made it (its step there, recomputed from the optimizer's state, is finite "
             f"and small) (step(s) {_list(steps)}){_on_ranks(hits)}",
@@ -236,7 +236,7 @@ def bad_parameter(events: RunLog) -> list[Finding]:
         < hits[0].step
     ]  # fmt: skip
     if all(_param_kind(e) == "magnitude" for e in hits):
-        title = "A weight jumped to an absurd (finite) magnitude"
+        detail = "an absurd (finite) magnitude"
         cause = (
             "a weight stayed finite but jumped to an absurd magnitude between steps (orders "
             "of magnitude past its value at the last snapshot): a flipped exponent bit "
@@ -245,12 +245,12 @@ def bad_parameter(events: RunLog) -> list[Finding]:
         fix = ("the guard rolled back to the last verified snapshot; if it recurs on one "
                "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
     elif spikes_before:
-        title = "A weight went non-finite (or past the format's range)"
+        detail = "non-finite, or past the format's range"
         cause = ("an optimizer step with too large an update (loss or gradient spikes came "
                  "just before it): the learning rate is too high for this phase")  # fmt: skip
         fix = "lower the peak LR or lengthen warmup; keep gradient clipping on"
     else:
-        title = "A weight went non-finite (or past the format's range)"
+        detail = "non-finite, or past the format's range"
         cause = (
             "a weight changed between steps with no warning in the training signal: "
             "memory corruption (a flipped bit) or a write from outside the optimizer"
@@ -258,7 +258,7 @@ def bad_parameter(events: RunLog) -> list[Finding]:
         fix = ("the guard rolled back to the last verified snapshot; if it recurs on one "
                "machine, check its memory (ECC errors) and run the job elsewhere")  # fmt: skip
     return [Finding(
-        "bad_parameter", title, f"{', '.join(names)} at step(s) {_list(steps)}{_on_ranks(hits)}",
+        "bad_parameter", detail, f"{', '.join(names)} at step(s) {_list(steps)}{_on_ranks(hits)}",
         cause, fix, 3, steps,
     )]  # fmt: skip
 
@@ -273,7 +273,7 @@ def masked_softmax(events: RunLog) -> list[Finding]:
         return []
     steps = tuple(e.step for e in hits)
     return [Finding(
-        "masked_softmax", "Softmax over a row with every entry masked",
+        "masked_softmax", "",
         f"NaN born in {_where(hits[0])} by {hits[0]['op']} at step(s) {_list(steps)}",
         "an attention mask (causal combined with padding, say) left a query with no key to "
         "look at: softmax of a row of -inf is 0/0",
@@ -291,7 +291,7 @@ def exp_overflow(events: RunLog) -> list[Finding]:
         return []
     steps = tuple(e.step for e in hits)
     return [Finding(
-        "exp_overflow", "exp() overflowed",
+        "exp_overflow", "",
         f"inf born in {_where(hits[0])} by {hits[0]['op']}"
         + (f" at {hits[0]['source']}" if hits[0]["source"] else ""),
         "exp of raw logits: anything above ~88.7 (float32) or ~11.1 (fp16) is inf",
@@ -321,7 +321,7 @@ def norm_eps(events: RunLog) -> list[Finding]:
     if huge:
         h = huge[0]
         out.append(Finding(
-            "norm_input_out_of_range", "A normalization was given values out of range",
+            "norm_input_out_of_range", "",
             f"{h['kind_of_value']} born in {_where(h)} by {h['op']}, whose input had "
             f"|x| up to {h['input_amax']:.3g} (its square overflows float32)",
             "the normalization is where the bad value showed, not where it came from: its "
@@ -342,7 +342,7 @@ def norm_eps(events: RunLog) -> list[Finding]:
             "cannot be ruled out (a replay records them: Guard.step(closure))"
         )
         out.append(Finding(
-            "norm_eps", "A normalization divided by a vanishing variance", evidence,
+            "norm_eps", "", evidence,
             "a (near-)constant input makes the variance 0; with a tiny eps (or one below the "
             "format's smallest normal, as 1e-6 is in fp16) 1/sqrt(var + eps) overflows",
             "use eps >= 1e-5 (1e-4 or more under fp16), or compute the statistics in float32 "
@@ -363,7 +363,7 @@ def repeated_module(events: RunLog) -> list[Finding]:
         steps = tuple(e.step for e in events.of_kind("fault")
                       if (e["module"], e["phase"], e["op"]) == (module, phase, op))  # fmt: skip
         out.append(Finding(
-            "repeated_module", f"Repeated faults in {module or '<root>'}",
+            "repeated_module", f"in {module or '<root>'}",
             f"{n} faults born in {module or '<root>'} ({phase}, {op}) at steps {_list(steps)}",
             "the same computation fails again and again: a bug or an unstable formulation in "
             "that module, not bad luck",
@@ -390,7 +390,7 @@ def scale_collapse(events: RunLog) -> list[Finding]:
     often = len(over) >= 20 and len(over) > 0.05 * n_steps
     if (afters and (last <= 1.0 or (last <= 128.0 and len(over) >= 5))) or often:
         return [Finding(
-            "scale_collapse", "The fp16 loss scale collapsed",
+            "scale_collapse", "",
             f"{len(over)} overflow back-offs; the scale fell to {last:g}",
             "the gradients overflow fp16 at any scale: a value in the backward pass grows past "
             "65504 by itself (large activations, an unnormalized residual stream)",
@@ -399,7 +399,7 @@ def scale_collapse(events: RunLog) -> list[Finding]:
             3, steps,
         )]  # fmt: skip
     return [Finding(
-        "fp16_overflow", "fp16 gradient overflows",
+        "fp16_overflow", "",
         f"{len(over)} step(s) skipped for a gradient overflow (steps {_list(steps)})"
         + (f"; the loss scale backed off, now {last:g}" if afters else ""),
         "scaled gradients above 65504: normal at the start of fp16 training, rare after",

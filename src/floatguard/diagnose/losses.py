@@ -66,7 +66,7 @@ def loss_nan_unguarded(events: RunLog) -> list[Finding]:
         else f"first at step {first} ({len(bad)} steps in all)"
     )  # fmt: skip
     return [Finding(
-        "loss_nan", "The loss became NaN/inf", evidence, cause, fix, 3, (first,),
+        "loss_nan", "", evidence, cause, fix, 3, (first,),
     )]  # fmt: skip
 
 
@@ -83,7 +83,7 @@ def loss_stuck(events: RunLog) -> list[Finding]:
     if n < 2 or spread > 0.01 * max(mean, 1e-9) or abs(mean - math.log(n)) > 0.005 * math.log(n):
         return []
     return [Finding(
-        "loss_stuck", f"The loss is stuck at ln({n})",
+        "loss_stuck", f"ln({n})",
         f"the last {len(losses)} losses average {mean:.4f} = ln({n}) (spread {spread:.2g})",
         f"the model predicts the uniform distribution over {n} classes: the gradients do not "
         "reach it (dead activations, zero gradients from underflow, a detached graph) or the "
@@ -123,7 +123,7 @@ def zero_grad_norm(events: RunLog) -> list[Finding]:
     converged = [s for s in zeros if s in solved]
     if len(converged) >= 3:
         out.append(Finding(
-            "converged", "The loss reached 0: the model fits its training batches exactly",
+            "converged", "the model fits its training batches exactly",
             f"{len(converged)} applied step(s) with a loss of 0 and a gradient norm of exactly "
             f"0 (first at step {converged[0]})",
             "convergence, not a dead model: the model fits every example of those batches "
@@ -144,7 +144,7 @@ def zero_grad_norm(events: RunLog) -> list[Finding]:
         "detached graph, or a frozen model"
     )
     return [Finding(
-        "zero_grad", "The gradient norm is zero",
+        "zero_grad", "",
         f"{len(dead)} step(s) with a gradient norm of exactly 0 and a loss that is not 0 "
         f"(first at {dead[0]})",
         cause, "raise the loss scale (or use bf16)" if fp16 else
@@ -174,7 +174,7 @@ def gradient_underflow(events: RunLog) -> list[Finding]:
     evidence = ", ".join(f"{k}: {v:.1%}" for k, v in top)
     if info.fp16 is False:
         return [Finding(
-            "gradient_underflow", "Gradients below fp16's range (if this run moved to fp16)",
+            "gradient_underflow", "if this run moved to fp16",
             f"fraction that would flush to zero in fp16, unscaled: {evidence} (this run: "
             f"{info.says()}, so nothing is lost now)",
             "small gradients, as usual; bf16 and fp32 have float32's range and keep them",
@@ -184,7 +184,7 @@ def gradient_underflow(events: RunLog) -> list[Finding]:
         )]  # fmt: skip
     if info.loss_scaling:
         return [Finding(
-            "gradient_underflow", "Some gradients are below fp16's range even unscaled",
+            "gradient_underflow", "some, even unscaled",
             f"fraction that would flush to zero in fp16, unscaled: {evidence} (the run uses "
             "a loss scale, which lifts them)",
             "small gradients, as usual: the loss scale is what keeps them", "nothing to do "
@@ -193,7 +193,7 @@ def gradient_underflow(events: RunLog) -> list[Finding]:
         )]  # fmt: skip
     if info.fp16 is None:
         return [Finding(
-            "gradient_underflow", "Gradients below fp16's range",
+            "gradient_underflow", "",
             f"fraction that flushes to zero in fp16, unscaled: {evidence} (the log does not "
             "say the run's precision and shows no loss scaling)",
             "in an fp16 run without loss scaling these gradients become 0 and those weights "
@@ -203,7 +203,7 @@ def gradient_underflow(events: RunLog) -> list[Finding]:
             2, (),
         )]  # fmt: skip
     return [Finding(
-        "gradient_underflow", "Gradients flush to zero in fp16 (no loss scaling)",
+        "gradient_underflow", "no loss scaling: fp16 flushes them to zero",
         f"fraction that flushes to zero in fp16: {evidence} ({info.says()})",
         "fp16's smallest subnormal is 2^-24 (6e-8): smaller gradients become 0 and those "
         "weights stop learning; accuracy is lost silently",
@@ -257,7 +257,7 @@ def dead_layers(events: RunLog) -> list[Finding]:
         fix = "check that the layer's output feeds the loss, and requires_grad"
     names = sorted(dead)
     return [Finding(
-        "dead_layers", "Layers with an all-zero gradient",
+        "dead_layers", "",
         f"{len(names)} parameter gradient(s) exactly zero on a sampled step: "
         f"{', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""),
         cause, fix, 2, tuple(sorted(set(dead.values()))),
@@ -283,7 +283,7 @@ def attention_logits(events: RunLog) -> list[Finding]:
         first, last = pts[0][1], pts[-1][1]
         if last >= 10 * first and last >= 8.0 and math.isfinite(last / first):
             out.append(Finding(
-                "attention_logits", f"Attention logits grow in {module}",
+                "attention_logits", f"in {module}",
                 f"the amax of {module}'s output grew {last / first:.0f}x (from {first:.3g} at "
                 f"step {pts[0][0]} to {last:.3g} at step {pts[-1][0]}); q k^T grows as its "
                 "square",
@@ -311,7 +311,7 @@ def fp16_divergence(events: RunLog) -> list[Finding]:
     if len(over) < 3:
         return []
     return [Finding(
-        "fp16_divergence", "Divergence in fp16",
+        "fp16_divergence", "",
         f"{len(over)} gradient overflows in the 50 steps before the loss went non-finite at "
         f"step {bad[0]}",
         "the run's values outgrew fp16's range (65504): what trains in fp32 diverges after "
@@ -333,7 +333,7 @@ def stopped(events: RunLog) -> list[Finding]:
     resumed = [r for r in events.of_kind("resume") if r.rank == s.rank and r.time >= s.time]
     if resumed:  # the run went on: the stop is history, not how it ended
         return [Finding(
-            "stopped", "The guard stopped the run once; it was resumed",
+            "stopped", "once; it was resumed",
             f"at step {s.step}: {reason} ({describe(reason)}); resumed from step "
             f"{resumed[-1].step}" + (f"; the fault: {s['fault']}" if s["fault"] else ""),
             "the steps from the resumed snapshot on were run again (their earlier events "
@@ -342,7 +342,7 @@ def stopped(events: RunLog) -> list[Finding]:
             1, (s.step, resumed[-1].step),
         )]  # fmt: skip
     return [Finding(
-        "stopped", "The guard stopped the run",
+        "stopped", "",
         f"at step {s.step}: {reason} ({describe(reason)})"
         + (f"; the fault: {s['fault']}" if s["fault"] else ""),
         "training on would have applied bad steps again: see the other findings for what "
@@ -380,7 +380,7 @@ def localized_faults(events: RunLog) -> list[Finding]:
     where = f"'{_where(first)}'" if first["module"] else "the model's root"
     line = f" at {first['source']}" if first["source"] else ""
     return [Finding(
-        "localized_faults", "A non-finite value born in the model",
+        "localized_faults", "",
         f"{first['kind_of_value'] or 'a non-finite value'} born in {where} "
         f"({first['phase']}) by {first['op'] or 'an unknown op'}{line}, step {first.step}"
         + (f"; {len(once) - 1} more such fault(s)" if len(once) > 1 else ""),
@@ -404,7 +404,7 @@ def large_loss(events: RunLog) -> list[Finding]:
         return []
     fp16 = run_info(events).fp16
     return [Finding(
-        "large_loss", "The loss is very large",
+        "large_loss", "",
         f"median loss {typical:.3g} over {len(losses)} steps",
         "unnormalized targets (a regression on raw values), a sum over elements instead of "
         "a mean, or a loss weight: the gradients scale with it"
@@ -430,7 +430,7 @@ def clipped_most_steps(events: RunLog) -> list[Finding]:
     norms = sorted(all_norms[j] for j in by_cap)
     what = "ZClip's absolute cap (max_grad_norm)" if info.clip_kind == "zclip" else "the cap"
     return [Finding(
-        "clipped_most_steps", "The gradient-norm cap clips most steps",
+        "clipped_most_steps", "",
         f"{len(by_cap)} of {applied} applied steps clipped to the cap "
         f"{info.clip_cap:g} (median norm before clipping {norms[len(norms) // 2]:.3g})"
         + (f"; {len(by_z)} more by ZClip's z-score" if by_z else ""),

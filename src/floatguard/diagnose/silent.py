@@ -55,7 +55,7 @@ def nonfinite_buffer(events: RunLog) -> list[Finding]:
     else:
         outcome = "no rollback followed and the log has no end check"
     return [Finding(
-        "nonfinite_buffer", "A buffer holds a NaN or inf (the loss stays finite)",
+        "nonfinite_buffer", "the loss stays finite",
         f"{', '.join(list(names)[:6])}" + (f" at step(s) {_list(seen)}" if seen else "")
         + f"; {outcome}",
         "running statistics took a non-finite value while the training loss stayed finite "
@@ -122,7 +122,7 @@ def stalled_updates(events: RunLog) -> list[Finding]:
     if not ev:
         evidence = str(hits[-1]["message"] or "the guard warned of stalled updates")
     return [Finding(
-        "stalled_updates", "Weight updates lost to rounding (16-bit weights)",
+        "stalled_updates", "16-bit weights",
         evidence,
         f"the weights are {low} with no fp32 master copy: an update smaller than half the "
         f"spacing of {low} values around the weight rounds back to the same value (the "
@@ -300,10 +300,6 @@ def slow_divergence(events: RunLog) -> list[Finding]:
         )
         fix = "check the LR schedule and the data from that step on; lower the LR"
     fix += "; the guard only warns about a trend: it changed nothing for it"
-    title = (
-        f"The {signal} rises steadily (no NaN)"
-        if not also
-        else "The loss and the gradient norm rise steadily (no NaN)"
-    )
-    return [Finding("slow_divergence", title, evidence, cause, fix, 2,
+    detail = f"the {signal}" if not also else "the loss and the gradient norm"
+    return [Finding("slow_divergence", detail, evidence, cause, fix, 2,
                     tuple(e.step for e in hits))]  # fmt: skip

@@ -2,9 +2,10 @@
 
 One id names the rule's finding, its row in ``docs/report.md``, its entry here and the
 CLI's filter (``floatguard diagnose LOG --rule ID``); ``floatguard diagnose
---list-rules`` prints this table. A rule's finding may say more than its spec (the
-module, the steps, the cause the evidence points to); the spec is what holds for every
-finding of that id. ``tests/test_diagnose.py`` checks that every id a rule declares has
+--list-rules`` prints this table. A finding's title is its spec's, with the finding's
+``detail`` after a colon where it has one (the module, the step, the signal); its
+evidence, cause and fix say more than the spec, which is what holds for every finding
+of that id. ``tests/test_diagnose.py`` checks that every id a rule declares has
 a spec here and a docs row, and that every finding's severity is its spec's.
 
 The lessons are the claims of ``docs/lessons.md`` (the numerics each rule stands on).
@@ -48,7 +49,7 @@ _TABLE: tuple[RuleSpec, ...] = (
     RuleSpec("bad_optimizer_state", "The optimizer's state holds a NaN or inf", 3,
              "moments in a 16-bit dtype overflow (v = g^2 past 65504 in fp16)",
              "keep optimizer state in fp32; find what wrote the state if it was fp32"),
-    RuleSpec("bad_parameter", "A weight was written outside the optimizer update", 3,
+    RuleSpec("bad_parameter", "A weight went bad between steps", 3,
              "a weight that changed without an update was written by other code",
              "find the write (an in-place op on a parameter, a bad checkpoint load)"),
     RuleSpec("nonfinite_buffer", "A buffer holds a NaN or inf", 3,
@@ -75,13 +76,13 @@ _TABLE: tuple[RuleSpec, ...] = (
     RuleSpec("fp16_overflow", "fp16 gradient overflows", 1,
              "dynamic loss scaling probes upward and backs off: rare overflows are its design",
              "nothing if rare; frequent ones: lower the LR or use bf16"),
-    RuleSpec("bad_batch", "A bad batch", 2,
+    RuleSpec("bad_batch", "Bad batches", 2,
              "an isolated spike that the loss recovers from is the batch, not the training",
              "look at the batch by its fingerprint; skipping it was right"),
     RuleSpec("sustained_instability", "Sustained instability", 3,
              "spikes that keep coming after a change are the training becoming unstable",
              "lower the LR (or undo the change that preceded it); clip gradients"),
-    RuleSpec("loss_spikes", "Loss spikes", 2,
+    RuleSpec("loss_spikes", "Spikes", 2,
              "an update too large for the curvature spikes the loss",
              "lower the peak LR or lengthen warmup; clip gradients (ZClip)"),
     RuleSpec("transient_spikes", "Spikes that do not reproduce", 2,
@@ -93,7 +94,7 @@ _TABLE: tuple[RuleSpec, ...] = (
     RuleSpec("loss_nan", "The loss became NaN/inf", 3,
              "NaN sources: log(x<=0), sqrt(x<0), 0/0, inf-inf, inf*0, overflow",
              "run with Guard.step(closure): the replay names the op and the line"),
-    RuleSpec("loss_stuck", "The loss is stuck at ln(n)", 2,
+    RuleSpec("loss_stuck", "The loss is stuck at chance", 2,
              "a loss of ln(n) is a uniform guess over n classes: nothing is learned",
              "check the labels, the LR and that the gradients reach the weights"),
     RuleSpec("zero_grad", "The gradient norm is zero", 2,
@@ -126,7 +127,7 @@ _TABLE: tuple[RuleSpec, ...] = (
     RuleSpec("stalled_updates", "Weight updates lost to rounding", 2,
              "an update below half a 16-bit weight's spacing rounds away",
              "keep fp32 master weights (MasterWeights) or use stochastic rounding"),
-    RuleSpec("slow_divergence", "The loss rises steadily (no NaN)", 2,
+    RuleSpec("slow_divergence", "A steady rise (no NaN)", 2,
              "most lost runs never NaN: the loss drifts up after a change",
              "undo the change at its start (an LR rise, new data); lower the LR"),
     RuleSpec("unreadable_events", "Lines or events could not be read", 1,

@@ -144,8 +144,9 @@ def _bad_batches(log: RunLog, episodes: list[Episode]) -> Finding:
     did = ", ".join(f"{done.get(str(a), 'did not log')} {n}" for a, n in actions.items())
     return Finding(
         "bad_batch",
-        "A bad batch (a spike that did not recur)" if len(episodes) == 1
-        else f"{len(episodes)} bad batches (spikes that did not recur)",
+        "one, a spike that did not recur"
+        if len(episodes) == 1
+        else f"{len(episodes)}, spikes that did not recur",
         f"{lines}{more}; after {'it' if len(episodes) == 1 else 'each'}, no spike in the next "
         f"{EPISODE_GAP} steps and the loss "
         f"back within {LEVEL_BAND:.0%} of its level before it{repeat}",
@@ -210,7 +211,7 @@ def _sustained(log: RunLog, episodes: list[Episode]) -> Finding:
         f" (its LR factor is {factor:.2g})" if factor is not None and factor < 1 else ""
     )
     return Finding(
-        "sustained_instability", f"Sustained instability from step {first}", evidence, cause,
+        "sustained_instability", f"from step {first}", evidence, cause,
         fix, 3 if level.back is False else 2, tuple(e.step for e in spikes[:20]),
     )  # fmt: skip
 
@@ -250,7 +251,7 @@ def _bursts(log: RunLog, episodes: list[Episode]) -> Finding:
         cause += f" ({changes[0].says()})"
     return Finding(
         "loss_spikes",
-        "Loss spikes" if signals == ["loss"] else "Spikes in the training signal",
+        f"in the {' and '.join(signals)}",
         f"{len(hits)} spike(s) of {', '.join(signals)} at steps {_list(steps)}{told}"
         + (f"; {len(rolled)} rollback(s) after them" if rolled else "")
         + (
@@ -285,7 +286,7 @@ def loss_spikes(events: RunLog) -> list[Finding]:
     if gone:
         steps = tuple(e.step for e in gone)
         out.append(Finding(
-            "transient_spikes", "Spikes that do not reproduce",
+            "transient_spikes", "",
             f"{len(gone)} spike(s) at steps {_list(steps)} were gone when the same step was "
             "replayed with the same batch and weights",
             "the computation, not the data or the weights: nondeterminism (atomics, a race "
@@ -305,7 +306,7 @@ def transients(events: RunLog) -> list[Finding]:
         return []
     steps = tuple(e.step for e in hits)
     return [Finding(
-        "transients", "Faults that do not reproduce",
+        "transients", "",
         f"{len(hits)} non-finite steps were clean when replayed (steps {_list(steps)})",
         "nondeterminism outside the model's math: failing hardware (GPU memory, a bad "
         "link), a race (asynchronous copies, a stream misuse) or a nondeterministic kernel",
