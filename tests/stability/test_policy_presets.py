@@ -40,3 +40,46 @@ def test_debugging_writes_whole_step_bundles(tmp_path: object) -> None:
     p = ResponsePolicy.debugging(str(tmp_path))
     assert (p.repro_dir, p.repro_level) == (str(tmp_path), "step")
     assert ResponsePolicy.debugging(str(tmp_path), repro_keep=1).repro_keep == 1
+
+
+def test_a_policy_composes_from_its_parts_and_reads_them_back() -> None:
+    from floatguard import BadDataPolicy, LadderPolicy, ReproPolicy, SnapshotPolicy
+
+    composed = ResponsePolicy(
+        ladder=LadderPolicy(rollback_after=2, skip_batches=1),
+        snapshots=SnapshotPolicy(every=3, dir="/runs/a", keep=4, on_error="raise"),
+        bad_data=BadDataPolicy(stop_after=5),
+        repro=ReproPolicy(dir="/runs/r", level="step"),
+    )
+    flat = ResponsePolicy(
+        rollback_after=2, skip_batches=1, snapshot_every=3, snapshot_dir="/runs/a",
+        snapshot_keep=4, on_snapshot_error="raise", bad_data_stop_after=5,
+        repro_dir="/runs/r", repro_level="step",
+    )  # fmt: skip
+    assert composed == flat and hash(composed) == hash(flat)
+    assert composed.snapshots == SnapshotPolicy(every=3, dir="/runs/a", keep=4, on_error="raise")
+    assert composed.ladder.rollback_after == 2 and composed.bad_data.stop_after == 5
+    assert composed.repro == ReproPolicy(dir="/runs/r", level="step")
+    assert ResponsePolicy().snapshots == SnapshotPolicy()  # the defaults are the same
+    # a part and a keyword of it: the keyword may repeat the part, not contradict it
+    same = ResponsePolicy(snapshot_every=3, snapshots=SnapshotPolicy(every=3))
+    assert same.snapshot_every == 3
+    with pytest.raises(ValueError, match=r"snapshot_every=4, snapshots=.*says 3"):
+        ResponsePolicy(snapshot_every=4, snapshots=SnapshotPolicy(every=3))
+    # replace() keeps working on the flat keywords
+    assert dataclasses.replace(composed, snapshot_every=7).snapshots.every == 7
+
+
+def test_a_part_is_checked_when_built_in_its_own_names() -> None:
+    from floatguard import LadderPolicy, SnapshotPolicy
+
+    with pytest.raises(ValueError, match=r"^SnapshotPolicy\.keep=0 must be an int >= 1"):
+        SnapshotPolicy(keep=0)
+    with pytest.raises(ValueError, match=r"^LadderPolicy\.lr_backoff_factor=1\.5 must be in"):
+        LadderPolicy(lr_backoff_factor=1.5)
+    with pytest.raises(ValueError, match=r"^ResponsePolicy\.snapshot_on='gpu'; use 'auto'"):
+        ResponsePolicy(snapshot_on="gpu")
+    with pytest.raises(TypeError, match=r"give a SnapshotPolicy"):
+        ResponsePolicy(snapshots=LadderPolicy())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"did you mean 'snapshot_every'"):
+        ResponsePolicy(snapshot_evry=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -10,6 +11,14 @@ from typing import Any, Literal, get_args
 
 from floatguard.errors import FloatguardError
 from floatguard.stability.clip import ZClipConfig
+from floatguard.stability.response_parts import (
+    PARTS,
+    BadDataPolicy,
+    LadderPolicy,
+    ReproPolicy,
+    SnapshotPolicy,
+    check,
+)
 
 __all__ = ["ClipPolicy", "GuardStopped", "ResponsePolicy", "SpikePolicy"]
 
@@ -111,7 +120,7 @@ class SpikePolicy:
                 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ResponsePolicy:
     """What the guard does with a bad step, by cause.
 
@@ -179,7 +188,52 @@ class ResponsePolicy:
     scaler and RNG state, captured before a rollback), and a bundle for each
     spike too. ``repro_keep`` bundles are kept (this rank's oldest removed). A
     healthy step costs nothing; a bad step is re-run once more to record it.
+
+    The keywords come in four parts, each a policy of its own that may be given whole
+    (:mod:`floatguard.stability.response_parts`): ``ladder=LadderPolicy(...)``,
+    ``snapshots=SnapshotPolicy(every=, dir=, keep=, ...)``, ``bad_data=BadDataPolicy(...)``,
+    ``repro=ReproPolicy(dir=, level=, keep=)``; ``policy.snapshots`` etc. read them back.
+    A part and a keyword of it given together must agree (else ValueError). Presets:
+    :meth:`durable`, :meth:`debugging`.
     """
+
+    def __init__(
+        self,
+        *,
+        ladder: LadderPolicy | None = None,
+        snapshots: SnapshotPolicy | None = None,
+        bad_data: BadDataPolicy | None = None,
+        repro: ReproPolicy | None = None,
+        **flat: Any,
+    ) -> None:
+        known = {f.name: f.default for f in fields(ResponsePolicy)}
+        unknown = sorted(set(flat) - set(known))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], [*known, *PARTS], n=1)
+            raise TypeError(
+                f"ResponsePolicy() got unknown keyword(s) {unknown}"
+                + (f": did you mean {near[0]!r}?" if near else "")
+                + f" The keywords are {sorted(known)}, or the parts {sorted(PARTS)}"
+            )
+        values = dict(known)
+        for key, part in (("ladder", ladder), ("snapshots", snapshots),
+                          ("bad_data", bad_data), ("repro", repro)):  # fmt: skip
+            if part is None:
+                continue
+            cls = PARTS[key][0]
+            if not isinstance(part, cls):
+                raise TypeError(f"ResponsePolicy({key}={part!r}): give a {cls.__name__}")
+            for name, value in part.flat().items():
+                if name in flat and flat[name] != value:
+                    raise ValueError(
+                        f"ResponsePolicy({name}={flat[name]!r}, {key}=...) disagree: the "
+                        f"{cls.__name__} says {value!r}; give it once"
+                    )
+                values[name] = value
+        values.update(flat)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     lr_backoff_after: int = 2
     lr_backoff_factor: float = 0.5
@@ -206,70 +260,31 @@ class ResponsePolicy:
     repro_keep: int = 5
 
     def __post_init__(self) -> None:
-        ints = (
-            "lr_backoff_after",
-            "lr_recovery_steps",
-            "rollback_after",
-            "max_rollbacks",
-            "rollback_window",
-            "snapshot_every",
-            "snapshot_keep",
-            "disk_every",
-            "transient_warn_after",
-            "bad_data_warn_after",
-            "bad_data_stop_after",
-            "bad_data_window",
-            "repro_keep",
-        )
-        for name in ints:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ResponsePolicy.{name}={v!r} must be an int >= 1")
-        if not isinstance(self.skip_batches, int) or self.skip_batches < 0:
-            raise ValueError(
-                f"ResponsePolicy.skip_batches={self.skip_batches!r} must be an int >= 0"
-            )
-        if self.on_snapshot_error not in get_args(SnapshotErrorPolicy):
-            raise ValueError(
-                f"ResponsePolicy.on_snapshot_error={self.on_snapshot_error!r}; use 'retry', "
-                "'disable' or 'raise'"
-            )
-        if not 0 < self.bad_data_stop_fraction <= 1:
-            raise ValueError(
-                f"ResponsePolicy.bad_data_stop_fraction={self.bad_data_stop_fraction!r} "
-                "must be in (0, 1]"
-            )
-        if self.snapshot_on not in get_args(SnapshotPlace):
-            raise ValueError(
-                f"ResponsePolicy.snapshot_on={self.snapshot_on!r}; use 'auto', 'host' or 'device'"
-            )
-        b = self.snapshot_budget
-        if (
-            b is not None
-            and b != "auto"
-            and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1)
-        ):
-            raise ValueError(
-                f"ResponsePolicy.snapshot_budget={b!r} must be a fraction in (0, 1) of step "
-                "time (0.01: 1%), 'auto' or None (every snapshot_every good steps)"
-            )
-        if self.repro_level not in get_args(ReproLevel):
-            raise ValueError(
-                f"ResponsePolicy.repro_level={self.repro_level!r}; use 'minimal' (the birth's "
-                "module) or 'step' (the whole step, with the pre-step state)"
-            )
-        if self.repro_dir is not None and not isinstance(self.repro_dir, (str, os.PathLike)):
-            raise ValueError(
-                f"ResponsePolicy.repro_dir={self.repro_dir!r} must be a folder path or None"
-            )
-        if not isinstance(self.snapshot_overlap, bool):
-            raise ValueError(
-                f"ResponsePolicy.snapshot_overlap={self.snapshot_overlap!r} must be True or False"
-            )
-        if not 0 < self.lr_backoff_factor < 1:
-            raise ValueError(
-                f"ResponsePolicy.lr_backoff_factor={self.lr_backoff_factor!r} must be in (0, 1)"
-            )
+        check({f.name: getattr(self, f.name) for f in fields(ResponsePolicy)})
+
+    def _part(self, key: str) -> Any:
+        cls, names = PARTS[key]
+        return cls(**{own: getattr(self, flat) for own, flat in names.items()})
+
+    @property
+    def ladder(self) -> LadderPolicy:
+        """The ladder's settings, as one part."""
+        return self._part("ladder")  # type: ignore[no-any-return]
+
+    @property
+    def snapshots(self) -> SnapshotPolicy:
+        """The snapshots' settings, as one part."""
+        return self._part("snapshots")  # type: ignore[no-any-return]
+
+    @property
+    def bad_data(self) -> BadDataPolicy:
+        """The bad-data settings, as one part."""
+        return self._part("bad_data")  # type: ignore[no-any-return]
+
+    @property
+    def repro(self) -> ReproPolicy:
+        """The repro bundles' settings, as one part."""
+        return self._part("repro")  # type: ignore[no-any-return]
 
     @staticmethod
     def per_rank_fields() -> tuple[str, ...]:
