@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"floatguard", "integrations", "demo"},
     {"guard"},
-    {"audit", "report"},
+    {"audit", "report", "advise"},
     {"diagnose", "monitor", "scaling", "stability"},
     {"emulation"},
     {"repro", "ops", "runlog", "stats", "formats", "batch_loss", "distributed"},

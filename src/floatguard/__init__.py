@@ -5,6 +5,7 @@ The public API is what ``__all__`` lists; everything else is private.
 
 from floatguard._safe_io import NotRegularFile
 from floatguard._version import __version__
+from floatguard.advise import Advice, LayerAdvice, advise
 from floatguard.audit import AuditReport, audit
 from floatguard.distributed import DistributedStop, GuardDesync, PeerFailed
 from floatguard.emulation import EmulationRecipe, NothingToEmulate, emulate, restore
@@ -94,8 +95,11 @@ __all__ = [  # noqa: RUF022 (grouped by what a user does, sorted within a group)
     "clip_grad_value_",
     "load_snapshot",
     # emulate low precision
+    "Advice",
     "AuditReport",
     "EmulationRecipe",
+    "LayerAdvice",
+    "advise",
     "audit",
     "emulate",
     "restore",

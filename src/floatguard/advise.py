@@ -1,0 +1,455 @@
+"""Which layers to keep in high precision under an emulated recipe, measured on a CPU.
+
+``advise(model, batches, recipe)`` answers "which GEMM layers should stay in BF16, and
+what will the gap be?" before any GPU time, with the bit-exact fake-quant of
+:func:`floatguard.emulate`.
+
+The estimator (``docs/fp8.md``, "Which layers to keep"): *measured ablation*, not a
+first-order guess. On each batch the model's loss and full gradient are computed in
+high precision (the reference), with every candidate layer emulated, and with one layer
+at a time emulated (the others in high precision); with ``per_gemm=True`` also with
+only that layer's forward (fprop), input-gradient (dgrad) or weight-gradient (wgrad)
+GEMM emulated; with ``leave_one_out=True`` also with every layer emulated but that one.
+A configuration's error is the relative squared error of the whole gradient,
+``||g - g_ref||^2 / ||g_ref||^2`` (its SQNR in dB is ``-10 log10``), and its loss change
+``L - L_ref``, each the mean over the batches. The error of one layer alone ranks the
+layers (it is what the layer adds, free of the others' noise); the leave-one-out gain
+(the all-emulated error minus the error with that layer kept) is the second estimator,
+and their rank agreement (Spearman) is reported: when it is low, errors interact and the
+plan is measured, not only predicted. Cost, in forward+backward passes:
+``len(batches) * (3 + L * (1 + G + leave_one_out))`` for ``L`` candidate layers and ``G``
+GEMMs the recipe quantizes (0 with ``per_gemm=False`` or when it quantizes only one),
+plus one pass for the operand statistics and one counting the FLOPs.
+
+The plan: layers in ranking order are kept while their GEMM FLOPs (forward and
+backward, counted by :func:`floatguard.emulation.coverage`) fit ``budget`` (a fraction
+of all GEMM FLOPs, or an int: a number of layers); a layer the recipe or ``skip``
+already keeps in high precision is never proposed. The plan is then run: ``gap_plan`` is
+measured, and ``predicted_plan`` is the additive prediction from the leave-one-out
+gains.
+
+Nothing of the model changes: the work runs on a deep copy (one model's memory), with
+torch's RNG forked and reseeded identically for every pass of a batch (dropout draws the
+same masks in every configuration). Operand statistics (per layer, from the reference
+pass; ``nn.Linear`` and GPT-2's ``Conv1D``): each operand quantized by the recipe in its
+GEMM's layout, its SQNR in dB, the fraction of its nonzero values flushed to zero
+(underflow), and the fraction clamped (saturation: in the tensor's top octave, more than
+half an element ulp below the value; only formats and scale rules that saturate, as MX's
+``floor``, show any).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from floatguard.batch_loss import batch_loss, check_loss_fn
+from floatguard.emulation import EmulationRecipe, emulate, is_emulated, restore
+from floatguard.emulation.coverage import coverage
+from floatguard.formats import get as get_format
+
+__all__ = ["Advice", "LayerAdvice", "advise"]
+
+Skip = tuple[str, ...] | Callable[[str, nn.Module], bool] | None
+_GEMMS = ("fprop", "dgrad", "wgrad")
+_OPERANDS: dict[str, tuple[Any, ...]] = {
+    "fprop": ("fprop_input", "fprop_weight"),
+    "dgrad": ("dgrad_grad", "dgrad_weight"),
+    "wgrad": ("wgrad_grad", "wgrad_input"),
+}
+_OFF = {
+    "fprop": {"activation": None, "weight": None},
+    "dgrad": {"dgrad_grad": None, "dgrad_weight": None},
+    "wgrad": {"wgrad_grad": None, "wgrad_input": None, "wgrad_rht": None},
+}
+
+
+@dataclass(frozen=True)
+class LayerAdvice:
+    """One candidate layer: its GEMM FLOPs per step (forward and backward) and share of
+    all GEMM FLOPs; ``error`` and ``loss_delta`` with only it emulated; ``gemms``: the
+    error with only its fprop / dgrad / wgrad emulated (empty without ``per_gemm``);
+    ``gain``: how much of the all-emulated error keeping it in high precision removes
+    (None without ``leave_one_out``); ``operands``: per operand, ``sqnr_db``,
+    ``underflow`` and ``saturation`` (empty for layers other than linear ones)."""
+
+    name: str
+    flops: int
+    share: float
+    error: float
+    loss_delta: float
+    gemms: dict[str, float] = field(default_factory=dict)
+    gain: float | None = None
+    operands: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def sqnr_db(self) -> float:
+        """The gradient's SQNR with only this layer emulated."""
+        return _db(self.error)
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What :func:`advise` found. ``ranking``: the candidate layers' names, most
+    sensitive first; ``keep``: the plan (names for ``emulate(..., skip=advice.keep)``,
+    in ranking order); ``gap_all`` / ``gap_plan``: ``{"loss_delta", "error",
+    "sqnr_db"}`` with every candidate emulated / with the plan, measured;
+    ``predicted_plan``: the plan's error predicted from the leave-one-out gains;
+    ``agreement``: Spearman's rank correlation of the two estimators (None when not
+    measured); ``notes``: what the recipe's own rules mean for the plan."""
+
+    recipe: str
+    budget: float | int
+    layers: tuple[LayerAdvice, ...]
+    ranking: tuple[str, ...]
+    keep: tuple[str, ...]
+    kept_share: float
+    gap_all: dict[str, float]
+    gap_plan: dict[str, float]
+    predicted_plan: float | None
+    agreement: float | None
+    passes: int
+    notes: tuple[str, ...] = ()
+
+    def skip(self) -> tuple[str, ...] | Callable[[str, nn.Module], bool]:
+        """The plan as ``emulate()``'s ``skip``: the names themselves when, as name
+        substrings, they match no other layer; else a predicate of exact names."""
+        return self.keep if self._exact else _Exactly(frozenset(self.keep))
+
+    @property
+    def _exact(self) -> bool:
+        others = [n for n in self.ranking if n not in self.keep]
+        return not any(k in n for k in self.keep for n in others)
+
+    def summary(self, top: int = 10) -> str:
+        """The ranking and the plan, in words."""
+        lines = [
+            f"advise {self.recipe}: {len(self.ranking)} layer(s), {self.passes} passes; "
+            f"everything emulated: gradient SQNR {self.gap_all['sqnr_db']:.1f} dB, loss "
+            f"{self.gap_all['loss_delta']:+.4g}; the plan ({len(self.keep)} layer(s), "
+            f"{self.kept_share:.1%} of GEMM FLOPs kept): {self.gap_plan['sqnr_db']:.1f} dB, "
+            f"loss {self.gap_plan['loss_delta']:+.4g}"
+        ]
+        for la in self.layers[:top]:
+            gemm = ", ".join(f"{g} {_db(e):.1f}" for g, e in la.gemms.items())
+            lines.append(
+                f"  {la.name}: {la.sqnr_db:.1f} dB alone ({la.share:.1%} of FLOPs)"
+                + (f"; by GEMM: {gemm}" if gemm else "")
+                + (" [keep]" if la.name in self.keep else "")
+            )
+        skip = self.skip()
+        lines.append(
+            f"emulate(model, recipe, skip={skip!r})"
+            if isinstance(skip, tuple)
+            else f"emulate(model, recipe, skip=advice.skip())  # names: {self.keep}"
+        )
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready but for non-finite floats)."""
+        return {
+            "recipe": self.recipe, "budget": self.budget, "ranking": list(self.ranking),
+            "keep": list(self.keep), "kept_share": self.kept_share, "gap_all": self.gap_all,
+            "gap_plan": self.gap_plan, "predicted_plan": self.predicted_plan,
+            "agreement": self.agreement, "passes": self.passes, "notes": list(self.notes),
+            "layers": [{**la.__dict__, "sqnr_db": la.sqnr_db} for la in self.layers],
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Exactly:
+    names: frozenset[str]
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return name in self.names
+
+
+def _db(error: float) -> float:
+    return math.inf if error <= 0 else -10.0 * math.log10(error)
+
+
+def advise(
+    model: nn.Module,
+    batches: Iterable[Any],
+    recipe: EmulationRecipe,
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    budget: float | int = 0.1,
+    skip: Skip = None,
+    per_gemm: bool = True,
+    leave_one_out: bool = True,
+    seed: int = 0,
+) -> Advice:
+    """Rank the GEMM layers ``emulate(model, recipe, skip=skip)`` would swap by how much
+    each one's emulation moves the gradient (and the loss), and plan which to keep in
+    high precision under ``budget`` (see the module for the estimator, the cost and the
+    limits). ``loss_fn(model, batch)`` as :func:`floatguard.audit` (default: the model's
+    own loss). The model runs in the mode it is in. Returns an :class:`Advice`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"advise: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, EmulationRecipe):
+        raise TypeError(
+            f"advise: recipe must be an EmulationRecipe (e.g. EmulationRecipe.nvfp4()), "
+            f"got {type(recipe).__name__}"
+        )
+    check_loss_fn(loss_fn)
+    if is_emulated(model):
+        raise ValueError(
+            "advise: the model is already emulate()d; pass the high-precision model "
+            "(restore(model) first)"
+        )
+    data = list(batches) if not isinstance(batches, (torch.Tensor, str, bytes)) else None
+    if not data:
+        raise ValueError("advise: give a non-empty list of batches (a tensor alone: [x])")
+    whole = isinstance(budget, float) and 0 < budget < 1
+    if isinstance(budget, bool) or not (whole or (isinstance(budget, int) and budget >= 0)):
+        raise ValueError(
+            f"advise: budget={budget!r}; give a fraction of GEMM FLOPs in (0, 1) (0.1: "
+            "10%) or a number of layers (an int >= 0)"
+        )
+    work = copy.deepcopy(model)
+    for p in work.parameters():
+        p.grad = None
+    skip = (recipe.skip or ()) if skip is None else skip
+    names = list(emulate(work, recipe, skip=skip))
+    restore(work)
+    flops = coverage(work, data[0], recipe, loss_fn=loss_fn, skip=skip).by_module()
+    total = max(sum(f.total for f in flops.values()), 1)
+    run = _Runner(work, data, loss_fn, seed)
+    ref = run.reference()
+    passes = len(data)
+
+    def measured(r: EmulationRecipe, emulated: Iterable[str]) -> tuple[float, float]:
+        nonlocal passes
+        wanted = frozenset(emulated)
+        passes += len(data)
+        if not wanted:  # nothing emulated: the reference itself
+            return run.against(ref)
+        emulate(work, r, skip=lambda n, m: n not in wanted)
+        try:
+            return run.against(ref)
+        finally:
+            restore(work)
+
+    everything = measured(recipe, names)
+    alone: dict[str, tuple[float, float]] = {n: measured(recipe, [n]) for n in names}
+    gemms: dict[str, dict[str, float]] = {n: {} for n in names}
+    if per_gemm:
+        ops = recipe.operands()
+        quantized = [g for g in _GEMMS if any(ops[o] is not None for o in _OPERANDS[g])]
+        for g in quantized if len(quantized) > 1 else ():  # one GEMM: the layer's own error
+            only = _only(recipe, g)
+            for n in names:
+                gemms[n][g] = measured(only, [n])[0]
+    gains: dict[str, float] = {}
+    if leave_one_out:
+        for n in names:
+            gains[n] = everything[0] - measured(recipe, [m for m in names if m != n])[0]
+    ranking = sorted(names, key=lambda n: (-alone[n][0], names.index(n)))
+    share = {n: flops.get(n, _zero()).total / total for n in names}
+    keep = _plan(ranking, share, budget)
+    plan = measured(recipe, [n for n in names if n not in keep])
+    operands = run.operands(recipe, names)
+    layers = tuple(
+        LayerAdvice(n, flops.get(n, _zero()).total, share[n], alone[n][0], alone[n][1],
+                    gemms[n], gains.get(n), operands.get(n, {}))
+        for n in ranking
+    )  # fmt: skip
+    return Advice(
+        recipe=_recipe_name(recipe), budget=budget, layers=layers, ranking=tuple(ranking),
+        keep=tuple(keep), kept_share=sum(share[n] for n in keep),
+        gap_all=_gap(everything), gap_plan=_gap(plan),
+        predicted_plan=max(everything[0] - sum(gains[n] for n in keep), 0.0) if gains else None,
+        agreement=_spearman([alone[n][0] for n in names], [gains[n] for n in names])
+        if gains and len(names) > 2 else None,
+        passes=passes + 2, notes=_notes(recipe),
+    )  # fmt: skip
+
+
+def _zero() -> Any:
+    from floatguard.emulation.coverage import Flops
+
+    return Flops(0, 0)
+
+
+def _gap(m: tuple[float, float]) -> dict[str, float]:
+    return {"error": m[0], "sqnr_db": _db(m[0]), "loss_delta": m[1]}
+
+
+def _only(recipe: EmulationRecipe, gemm: str) -> EmulationRecipe:
+    """``recipe`` with only ``gemm``'s operands quantized (the others' resolved to None)."""
+    ops = recipe.operands()
+    explicit = {
+        "dgrad_grad": ops["dgrad_grad"], "dgrad_weight": ops["dgrad_weight"],
+        "wgrad_grad": ops["wgrad_grad"], "wgrad_input": ops["wgrad_input"],
+    }  # fmt: skip
+    off: dict[str, Any] = {}
+    for g in _GEMMS:
+        if g != gemm:
+            off.update(_OFF[g])
+    return replace(recipe, **{**explicit, **off})
+
+
+def _plan(ranking: list[str], share: dict[str, float], budget: float | int) -> list[str]:
+    if isinstance(budget, int):
+        return ranking[:budget]
+    keep, used = [], 0.0
+    for n in ranking:
+        if used + share[n] <= budget + 1e-12:
+            keep.append(n)
+            used += share[n]
+    return keep
+
+
+def _spearman(a: list[float], b: list[float]) -> float | None:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return None if va == 0 or vb == 0 else cov / math.sqrt(va * vb)
+
+
+def _recipe_name(recipe: EmulationRecipe) -> str:
+    ops = recipe.operands()
+    return type(ops["fprop_input"]).__name__ if ops["fprop_input"] is not None else repr(recipe)
+
+
+def _notes(recipe: EmulationRecipe) -> tuple[str, ...]:
+    ops = {type(v).__name__ for v in recipe.operands().values() if v is not None}
+    notes = []
+    if "NVFP4" in ops:
+        notes.append(
+            "NVFP4: the weight's 16x16 2-D scaling and the wgrad RHT are part of the recipe "
+            "measured here; NVIDIA's recipe also keeps some layers (the last blocks) in BF16: "
+            "compare that choice with this plan before training"
+        )
+    if "MX" in ops:
+        notes.append(
+            "MX: scales are shared by blocks of 32 along each GEMM's reduction dim: a layer "
+            "whose reduction dim is not a multiple of 32 is padded, and one outlier per block "
+            "sets the scale of 31 neighbours"
+        )
+    return tuple(notes)
+
+
+class _Runner:
+    """Forward and backward passes of the work copy, reseeded per batch."""
+
+    def __init__(self, model: nn.Module, batches: list[Any], loss_fn: Any, seed: int) -> None:
+        self.model, self.batches, self.loss_fn, self.seed = model, batches, loss_fn, seed
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.devices = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
+
+    def one(self, i: int, batch: Any) -> tuple[float, torch.Tensor]:
+        with torch.random.fork_rng(devices=self.devices):
+            torch.manual_seed(self.seed + i)
+            for p in self.params:
+                p.grad = None
+            loss = batch_loss(self.loss_fn, self.model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
+            for p in self.params
+        ]
+        for p in self.params:
+            p.grad = None
+        return float(loss.detach()), torch.cat(grads) if grads else torch.zeros(0)
+
+    def reference(self) -> list[tuple[float, torch.Tensor]]:
+        return [self.one(i, b) for i, b in enumerate(self.batches)]
+
+    def against(self, ref: list[tuple[float, torch.Tensor]]) -> tuple[float, float]:
+        """(mean relative squared gradient error, mean loss change) against ``ref``."""
+        errors, deltas = [], []
+        for i, b in enumerate(self.batches):
+            loss, g = self.one(i, b)
+            r_loss, r = ref[i]
+            denom = float(r.pow(2).sum())
+            err = float((g - r).pow(2).sum()) / denom if denom > 0 else 0.0
+            errors.append(err if math.isfinite(err) else math.inf)
+            deltas.append(loss - r_loss)
+        return sum(errors) / len(errors), sum(deltas) / len(deltas)
+
+    def operands(self, recipe: EmulationRecipe, names: list[str]) -> dict[str, dict[str, Any]]:
+        """Per linear layer, its operands on the first batch quantized in their GEMMs'
+        layouts: SQNR dB, underflow and saturation fractions."""
+        seen: dict[str, dict[str, torch.Tensor]] = {}
+        handles = []
+        for name, m in self.model.named_modules():
+            w = getattr(m, "weight", None)
+            conv1d = type(m).__name__ == "Conv1D"
+            if name not in names or not (isinstance(m, nn.Linear) or conv1d):
+                continue
+            if not isinstance(w, torch.Tensor) or w.dim() != 2:
+                continue
+
+            def fwd(
+                mod: nn.Module, args: Any, out: Any, name: str = name, t: bool = conv1d
+            ) -> None:
+                x = args[0].detach().reshape(-1, args[0].shape[-1])
+                wt = getattr(mod, "weight").detach()  # noqa: B009
+                seen[name] = {"x": x, "w": wt.t() if t else wt}
+
+            def bwd(mod: nn.Module, gin: Any, gout: Any, name: str = name) -> None:
+                if gout[0] is not None and name in seen:
+                    seen[name]["dy"] = gout[0].detach().reshape(-1, gout[0].shape[-1])
+
+            handles.append(m.register_forward_hook(fwd))
+            handles.append(m.register_full_backward_hook(bwd))
+        try:
+            self.one(0, self.batches[0])
+        finally:
+            for h in handles:
+                h.remove()
+        ops = recipe.operands()
+        out: dict[str, dict[str, Any]] = {}
+        for name, t in seen.items():
+            layouts = {  # [rows, reduction] as each GEMM reads it (docs/fp8.md)
+                "fprop_input": t["x"], "fprop_weight": t["w"],
+                "dgrad_weight": t["w"].t(), "wgrad_input": t["x"].t(),
+            }  # fmt: skip
+            if "dy" in t:
+                layouts.update(dgrad_grad=t["dy"], wgrad_grad=t["dy"].t())
+            out[name] = {
+                op: _stats(ops[op], v.contiguous().float())  # type: ignore[index]
+                for op, v in layouts.items() if ops[op] is not None  # type: ignore[index]
+            }  # fmt: skip
+        return out
+
+
+def _stats(r: Any, x: torch.Tensor) -> dict[str, float]:
+    q = r.quantize(x)
+    nonzero = x != 0
+    n = int(nonzero.sum())
+    noise = float((q - x).double().pow(2).sum())
+    signal = float(x.double().pow(2).sum())
+    fmt = getattr(r, "fmt", None) or getattr(r, "element", None) or "e2m1fn"
+    half_ulp = 2.0 ** -(get_format(fmt).mantissa_bits + 1)
+    top = q.abs() >= 0.5 * float(q.abs().max()) if q.numel() else q.bool()
+    clamped = top & (q.abs() < x.abs() * (1 - half_ulp * 1.001)) & nonzero
+    return {
+        "sqnr_db": _db(noise / signal) if signal > 0 else math.inf,
+        "underflow": float(((q == 0) & nonzero).sum()) / n if n else 0.0,
+        "saturation": float(clamped.sum()) / n if n else 0.0,
+    }
