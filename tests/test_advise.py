@@ -159,3 +159,34 @@ def test_an_emulated_model_is_refused() -> None:
     emulate(model, EmulationRecipe.nvfp4())
     with pytest.raises(ValueError, match="already emulate"):
         advise(model, _data(1), EmulationRecipe.nvfp4(), loss_fn=loss_fn)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    import floatguard.cli as cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["advise", *args])
+    out, err = capsys.readouterr()
+    code = info.value.code
+    return (code if isinstance(code, int) else 0), out, err
+
+
+def test_the_cli_prints_the_plan_as_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import sys
+    import types
+
+    mod = types.ModuleType("advise_target")
+    mod.build = lambda: (_net("underflow"), _data(1), loss_fn)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "advise_target", mod)
+    code, out, err = _cli(capsys, "advise_target:build", "--recipe", "nvfp4", "--budget", "1",
+                          "--json")  # fmt: skip
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["keep"] == ["fc2"] and got["ranking"][0] == "fc2" and got["budget"] == 1
+    code, out, err = _cli(capsys, "advise_target:build", "--recipe", "fp8")
+    assert code == 2 and "--recipe 'fp8': use one of nvfp4" in err
+    code, out, err = _cli(capsys, "advise_target:build", "--budget", "lots")
+    assert code == 2 and "--budget 'lots'" in err

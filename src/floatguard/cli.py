@@ -737,6 +737,60 @@ def audit_cmd(
     _out.print(f"audit: {path}")
 
 
+_ADVISE_RECIPES = ("nvfp4", "nvfp4_training", "mxfp8", "hybrid_tensorwise", "hybrid_rowwise",
+                   "hybrid_block", "deepseek_v3", "torchao_rowwise", "deepgemm")  # fmt: skip
+
+
+@app.command(name="advise")
+def advise_cmd(
+    target: Annotated[
+        str,
+        typer.Argument(help="package.module:function -> (model, batches[, loss_fn]), or tiny-gpt."),
+    ],
+    recipe: Annotated[
+        str, typer.Option(help=f"An EmulationRecipe preset: {', '.join(_ADVISE_RECIPES)}.")
+    ] = "nvfp4_training",
+    budget: Annotated[
+        str,
+        typer.Option(
+            help="Kept in high precision: a fraction of GEMM FLOPs (0.1) or a number of layers (3)."
+        ),
+    ] = "0.1",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Which layers to keep in high precision under a recipe, measured on this machine."""
+    from floatguard.advise import advise
+    from floatguard.emulation import EmulationRecipe
+
+    if recipe not in _ADVISE_RECIPES:
+        raise _fail(f"--recipe {recipe!r}: use one of {', '.join(_ADVISE_RECIPES)}")
+    try:
+        cap: float | int = int(budget) if budget.strip().isdigit() else float(budget)
+    except ValueError:
+        raise _fail(
+            f"--budget {budget!r}: give a fraction (0.1) or a number of layers (3)"
+        ) from None
+    model, batches, loss_fn = _load_target(target)
+    try:
+        advice = advise(model, batches, getattr(EmulationRecipe, recipe)(), loss_fn=loss_fn,
+                        budget=cap)  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise _fail(f"TARGET {target!r}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        raise _TargetFailed(
+            f"TARGET {target!r}: advise stopped at {_what(e)} (raised in the model, its "
+            "loss_fn or floatguard; rerun with --debug for the traceback)"
+        ) from e
+    if as_json:
+        from floatguard.events import encode_value
+
+        print(json.dumps(encode_value(advice.to_dict()), allow_nan=False))
+        return
+    _out.print(escape(advice.summary()))
+
+
 def _audit_html(target: str, keys: list[str], rows: list[Any], report: Any) -> str:
     import html
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -225,3 +226,37 @@ def test_a_closure_with_its_own_backward_under_fp16_or_accumulation_is_refused_a
     with pytest.raises(RuntimeError, match="with a sequence of closures the guard accumulates"):
         guard.step([closure, closure])
     guard.close()
+
+
+def test_a_first_snapshot_whose_write_failed_is_taken_again_by_the_retried_step(
+    tmp_path: Path,
+) -> None:
+    """on_snapshot_error="raise" at step 0: the step is undone whole, the first snapshot
+    forgotten, and the retried step 0 writes it once the folder is fixed."""
+    import floatguard
+
+    folder = tmp_path / "snaps"
+    folder.write_text("not a folder")  # the write fails
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    g = floatguard.Guard(m, torch.optim.AdamW(m.parameters(), lr=1e-2),
+                         response=floatguard.ResponsePolicy.durable(folder))  # fmt: skip
+    x = torch.randn(8, 4)
+    with pytest.raises(floatguard.SnapshotError):
+        g.step(lambda: m(x).pow(2).mean())
+    assert g.step_count == 0 and g.last_snapshot is None
+    folder.unlink()
+    folder.mkdir()
+    assert g.step(lambda: m(x).pow(2).mean()).action == "applied"
+    assert [(e.step, Path(e["where"]).name) for e in g.events.of_kind("snapshot")] == [
+        (0, "snapshot-000000000.fgs")
+    ]
+    g.close()
+
+
+def test_a_closed_guard_says_so_before_asking_for_a_loss() -> None:
+    m = nn.Linear(4, 1)
+    g = Guard(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    g.close()
+    with pytest.raises(RuntimeError, match=r"guard.step\(\) after guard.close\(\)"):
+        g.step()

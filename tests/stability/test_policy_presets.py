@@ -83,3 +83,21 @@ def test_a_part_is_checked_when_built_in_its_own_names() -> None:
         ResponsePolicy(snapshots=LadderPolicy())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"did you mean 'snapshot_every'"):
         ResponsePolicy(snapshot_evry=3)
+
+
+def test_replace_and_presets_take_parts() -> None:
+    from pathlib import Path
+
+    from floatguard import ReproPolicy, SnapshotPolicy
+
+    p = ResponsePolicy(snapshot_every=3, snapshot_dir="/a")
+    q = dataclasses.replace(p, snapshots=SnapshotPolicy(every=7))  # the part replaces its fields
+    assert (q.snapshot_every, q.snapshot_dir) == (7, None)
+    d = ResponsePolicy.durable("/runs/a", snapshots=SnapshotPolicy(every=2))
+    assert (d.snapshot_every, d.snapshot_dir, d.on_snapshot_error) == (2, "/runs/a", "raise")
+    r = ResponsePolicy.debugging("/runs/r", repro=ReproPolicy(keep=2))
+    assert (r.repro_dir, r.repro_level, r.repro_keep) == ("/runs/r", "step", 2)
+    same = ResponsePolicy(snapshot_dir=Path("/x"), snapshots=SnapshotPolicy(dir="/x"))
+    assert same.snapshot_dir == "/x"  # a path and its string agree
+    with pytest.raises(ValueError, match=r"^SnapshotPolicy\.dir=5 must be a folder path"):
+        SnapshotPolicy(dir=5)  # type: ignore[arg-type]

@@ -300,9 +300,9 @@ class Guard:
         self, closure: Closure | Sequence[Closure] | None, replay: Sequence[Closure] | None
     ) -> StepResult:
         closures, run, keeper = as_closures(closure), self._c.run, self._c.keeper
+        self._c.channel.begin(run.step_count)  # a peer failed, finished or exited: stop now
         if not closures and not self._c.runner.losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
-        self._c.channel.begin(run.step_count)  # a peer failed, finished or exited: stop now
         step = run.step_count
         if keeper.first_due:  # the first snapshot's RNG: where this step begins
             self._c.state.rng = self._c.state.rng_now()

@@ -216,6 +216,10 @@ class ResponsePolicy:
                 + f" The keywords are {sorted(known)}, or the parts {sorted(PARTS)}"
             )
         values = dict(known)
+        # every flat keyword given and a part: dataclasses.replace(policy, part=...), where
+        # the part replaces its fields
+        replacing = set(flat) == set(known)
+        parts: dict[str, Any] = {}
         for key, part in (("ladder", ladder), ("snapshots", snapshots),
                           ("bad_data", bad_data), ("repro", repro)):  # fmt: skip
             if part is None:
@@ -224,13 +228,14 @@ class ResponsePolicy:
             if not isinstance(part, cls):
                 raise TypeError(f"ResponsePolicy({key}={part!r}): give a {cls.__name__}")
             for name, value in part.flat().items():
-                if name in flat and flat[name] != value:
+                if name in flat and not replacing and not _same(flat[name], value):
                     raise ValueError(
                         f"ResponsePolicy({name}={flat[name]!r}, {key}=...) disagree: the "
                         f"{cls.__name__} says {value!r}; give it once"
                     )
-                values[name] = value
+                parts[name] = value
         values.update(flat)
+        values.update(parts)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self.__post_init__()
@@ -300,10 +305,37 @@ class ResponsePolicy:
         resume from its newest snapshot after a crash."""
         base = {"snapshot_dir": str(snapshot_dir), "snapshot_keep": 3, "disk_every": 1,
                 "on_snapshot_error": "raise"}  # fmt: skip
-        return cls(**{**base, **overrides})
+        return cls(**{**base, **_set_fields(overrides)})
 
     @classmethod
     def debugging(cls, repro_dir: str | os.PathLike[str], **overrides: Any) -> ResponsePolicy:
         """For finding a bug: every distinct fault and spike written as a whole-step
         repro bundle to ``repro_dir`` (``floatguard repro`` re-runs it)."""
-        return cls(**{"repro_dir": repro_dir, "repro_level": "step", **overrides})
+        return cls(**{"repro_dir": repro_dir, "repro_level": "step", **_set_fields(overrides)})
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, a path and its string alike."""
+    if isinstance(a, os.PathLike) or isinstance(b, os.PathLike):
+        return (
+            isinstance(a, (str, os.PathLike))
+            and isinstance(b, (str, os.PathLike))
+            and (os.fspath(a) == os.fspath(b))
+        )
+    return a == b
+
+
+def _set_fields(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A preset's overrides as flat keywords: a part gives the fields it sets (those not
+    at their defaults), so the preset's other choices stay."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key in PARTS and value is not None:
+            if not isinstance(value, PARTS[key][0]):
+                raise TypeError(f"ResponsePolicy({key}={value!r}): give a {PARTS[key][0].__name__}")
+            part: Any = value
+            default: dict[str, Any] = PARTS[key][0]().flat()
+            out.update({k: v for k, v in part.flat().items() if v != default[k]})
+        else:
+            out[key] = value
+    return out

@@ -139,10 +139,11 @@ def check(values: dict[str, Any]) -> None:
     b = values.get("snapshot_budget")
     if b is not None and b != "auto" and not _number_in(b, 0, 1):
         raise bad("snapshot_budget", "must be a fraction in (0, 1) of step time (0.01: 1%), "
-                  "'auto' or None (every snapshot_every good steps)")  # fmt: skip
-    d = values.get("repro_dir")
-    if d is not None and not isinstance(d, (str, os.PathLike)):
-        raise bad("repro_dir", "must be a folder path or None")
+                  "'auto' or None (a snapshot every snapshot_every good steps)")  # fmt: skip
+    for name in ("repro_dir", "snapshot_dir"):
+        d = values.get(name)
+        if d is not None and not isinstance(d, (str, os.PathLike)):
+            raise bad(name, "must be a folder path or None")
     if not isinstance(values.get("snapshot_overlap", False), bool):
         raise bad("snapshot_overlap", "must be True or False")
     if not _number_in(values.get("lr_backoff_factor", 0.5), 0, 1):

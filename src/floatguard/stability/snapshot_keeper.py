@@ -102,12 +102,13 @@ class SnapshotKeeper:
     def first_vetted(self, step: int, bad: object, amax: dict[str, float]) -> bool:
         """The first snapshot vetted with the step's read: kept (True), or dropped with a
         warning when the state was already bad (``bad``, not None, says why)."""
-        self._vetting_first = False
         if bad is not None:
+            self._vetting_first = False
             self.drop()
             self.events.warning(step, f"no snapshot taken: {bad}", 0)
             return False
-        self.vouch(step, amax)
+        self.vouch(step, amax)  # a write that raises: abort_step() drops it, retaken next
+        self._vetting_first = False
         return True
 
     def before_update(
