@@ -1,0 +1,143 @@
+"""Is floatguard.advise's plan right? Held-out loss after training, against high precision.
+
+For each recipe and seed: the model is built, ``advise`` runs on 4 training batches of the
+initial model (as a user would before training), then the model is trained from that
+same initialization for ``--steps`` steps (AdamW, the demo's synthetic task) in:
+
+- high precision (fp32 on this CPU: the stand-in for BF16, the reference);
+- every GEMM layer emulated;
+- the advisor's plan at 10% and 20% of GEMM FLOPs kept in high precision;
+- the same budget spent on the last layers (NVIDIA's heuristic: from the LM head back,
+  each layer kept while it fits);
+- the same budget spent at random (each layer in a random order, kept while it fits;
+  the mean of ``--draws`` draws).
+
+The held-out loss (8 fixed batches, evaluated in high precision) is printed as the gap
+to the high-precision run; "closed" is the share of the all-emulated gap a plan removes.
+Means and spreads (min..max) over the seeds.
+
+    python benchmarks/bench_advise.py [--recipes mxfp8,hybrid_block] [--seeds 3]
+        [--steps 200] [--draws 3] [--model tiny|proxy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from floatguard import EmulationRecipe, advise, emulate, restore
+from floatguard.demo import GPT, TINY, GPTConfig, synthetic_batch
+
+PROXY = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=192)
+
+
+def _loss(cfg: GPTConfig):  # type: ignore[no-untyped-def]
+    def lm(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]).reshape(-1, cfg.vocab_size), batch[1].reshape(-1))
+
+    return lm
+
+
+def _fit(order: list[str], share: dict[str, float], budget: float) -> list[str]:
+    keep, used = [], 0.0
+    for n in order:
+        if used + share[n] <= budget + 1e-12:
+            keep.append(n)
+            used += share[n]
+    return keep
+
+
+def _train(cfg, init, recipe, keep, names, steps, seed, held) -> float:  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    model.load_state_dict(init)
+    emulated = recipe is not None and len(keep) < len(names)
+    if emulated:
+        wanted = set(names) - set(keep)
+        emulate(model, recipe, skip=lambda n, m: n not in wanted)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    lm = _loss(cfg)
+    for _ in range(steps):
+        loss = lm(model, synthetic_batch(cfg, 16, generator=gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if emulated:
+        restore(model)
+    model.eval()
+    with torch.no_grad():
+        return statistics.fmean(float(lm(model, b)) for b in held)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipes", default="mxfp8,hybrid_block")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--draws", type=int, default=3)
+    ap.add_argument("--model", choices=("tiny", "proxy"), default="tiny")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    cfg = TINY if args.model == "tiny" else PROXY
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(99)
+    held = [synthetic_batch(cfg, 16, generator=g) for _ in range(8)]
+    print(f"# bench_advise: {args.model} GPT {cfg}, {args.steps} steps, seeds 0..{args.seeds - 1}, "
+          f"{args.draws} random draws, torch {torch.__version__}")  # fmt: skip
+    rows: dict[tuple[str, str], list[float]] = {}
+    t0 = time.time()
+    for rname in args.recipes.split(","):
+        recipe = getattr(EmulationRecipe, rname)()
+        for seed in range(args.seeds):
+            torch.manual_seed(seed)
+            model = GPT(cfg)
+            init = {k: v.clone() for k, v in model.state_dict().items()}
+            gen = torch.Generator().manual_seed(seed)
+            probe = [synthetic_batch(cfg, 16, generator=gen) for _ in range(4)]
+            ref = _train(cfg, init, None, [], [], args.steps, seed, held)
+            plans = {}
+            for budget in (0.1, 0.2):
+                a = advise(model, probe, recipe, loss_fn=_loss(cfg), budget=budget, seed=seed)
+                names = list(a.ranking)
+                share = {la.name: la.share for la in a.layers}
+                order = [n for n, _ in model.named_modules() if n in share]
+                plans[f"advisor {budget:.0%}"] = [list(a.keep)]
+                plans[f"last layers {budget:.0%}"] = [_fit(order[::-1], share, budget)]
+                rng = random.Random(seed)
+                plans[f"random {budget:.0%}"] = [
+                    _fit(rng.sample(order, len(order)), share, budget) for _ in range(args.draws)
+                ]
+            every = _train(cfg, init, recipe, [], names, args.steps, seed, held) - ref
+            rows.setdefault((rname, "everything emulated"), []).append(every)
+            for label, keeps in plans.items():
+                gaps = [_train(cfg, init, recipe, k, names, args.steps, seed, held) - ref
+                        for k in keeps]  # fmt: skip
+                rows.setdefault((rname, label), []).append(statistics.fmean(gaps))
+                rows.setdefault((rname, label + " closed"), []).append(
+                    1 - statistics.fmean(gaps) / every if every else float("nan")
+                )
+            chosen = {k: v[0] for k, v in plans.items() if "advisor" in k}
+            print(f"#   {rname} seed {seed} done ({time.time() - t0:.0f} s); plans: {chosen}",
+                  flush=True)  # fmt: skip
+    print("\n| recipe | configuration | held-out loss gap to high precision (mean, min..max) "
+          "| share of the all-emulated gap closed (mean, min..max) |")  # fmt: skip
+    print("|---|---|---:|---:|")
+    for (rname, label), vals in rows.items():
+        if label.endswith(" closed"):
+            continue
+        closed = rows.get((rname, label + " closed"))
+        c = (f"{statistics.fmean(closed):+.0%} ({min(closed):+.0%}..{max(closed):+.0%})"
+             if closed else "")  # fmt: skip
+        print(f"| {rname} | {label} | {statistics.fmean(vals):+.4f} "
+              f"({min(vals):+.4f}..{max(vals):+.4f}) | {c} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
