@@ -260,3 +260,28 @@ def test_a_closed_guard_says_so_before_asking_for_a_loss() -> None:
     g.close()
     with pytest.raises(RuntimeError, match=r"guard.step\(\) after guard.close\(\)"):
         g.step()
+
+
+@pytest.mark.parametrize("loop", ["closure", "three_call"])
+def test_a_nan_batch_through_batchnorm_is_skipped_not_blamed_on_the_buffer(loop: str) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    g = Guard(m, torch.optim.SGD(m.parameters(), lr=0.01))
+    for i in range(10):
+        x = torch.randn(8, 8)
+        if i in (6, 8):
+            x[0, 0] = float("nan")
+        before = m[1].running_mean.clone()
+        if loop == "closure":
+            r = g.step(lambda x=x: m(x).pow(2).mean())
+        else:
+            with g.autocast():
+                loss = m(x).pow(2).mean()
+            g.backward(loss)
+            r = g.step(replay=[lambda x=x: m(x).pow(2).mean()])
+        if i in (6, 8):
+            assert (r.action, r.reason) == ("skipped", "nonfinite_input")
+            assert torch.equal(m[1].running_mean, before)  # the NaN batch left no trace
+        else:
+            assert r.action == "applied"
+    g.close()

@@ -121,7 +121,10 @@ class Judge:
         self, step: int, read: StepRead, closures: Sequence[Closure], after_update: bool
     ) -> Fault | None:
         """Where the non-finite value was born: a bad parameter or optimizer state, else a
-        replay of the step (with a closure), else the hook monitor's records."""
+        replay of the step (with a closure), else the hook monitor's records. The buffers
+        are checked as the step found them: what its own forward wrote into them (a NaN
+        batch through BatchNorm's running statistics) is the step's, not the state's."""
+        self.locator.state.restore_buffers()
         vetted = self.vet(step, after_update).bad
         bad = self.channel.agree(vetted, read.bad_ranks, "parameter check")
         if bad is not None:
