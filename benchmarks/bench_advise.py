@@ -83,10 +83,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--draws", type=int, default=3)
     ap.add_argument("--model", choices=("tiny", "proxy"), default="tiny")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     cfg = TINY if args.model == "tiny" else PROXY
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(99)
     held = [synthetic_batch(cfg, 16, generator=g) for _ in range(8)]
     print(f"# bench_advise: {args.model} GPT {cfg}, {args.steps} steps, seeds 0..{args.seeds - 1}, "
@@ -114,11 +115,18 @@ def main() -> None:
                 plans[f"random {budget:.0%}"] = [
                     _fit(rng.sample(order, len(order)), share, budget) for _ in range(args.draws)
                 ]
-            every = _train(cfg, init, recipe, [], names, args.steps, seed, held) - ref
+            trained: dict[frozenset[str], float] = {}  # a plan met twice is trained once
+
+            def gap(keep: list[str]) -> float:
+                key = frozenset(keep)
+                if key not in trained:
+                    trained[key] = _train(cfg, init, recipe, keep, names, args.steps, seed, held)
+                return trained[key] - ref
+
+            every = gap([])
             rows.setdefault((rname, "everything emulated"), []).append(every)
             for label, keeps in plans.items():
-                gaps = [_train(cfg, init, recipe, k, names, args.steps, seed, held) - ref
-                        for k in keeps]  # fmt: skip
+                gaps = [gap(k) for k in keeps]
                 rows.setdefault((rname, label), []).append(statistics.fmean(gaps))
                 rows.setdefault((rname, label + " closed"), []).append(
                     1 - statistics.fmean(gaps) / every if every else float("nan")

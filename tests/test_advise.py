@@ -3,8 +3,10 @@ reproduces, skipped layers are never proposed, and the model is left as it was."
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +192,196 @@ def test_the_cli_prints_the_plan_as_json(
     assert code == 2 and "--recipe 'fp8': use one of nvfp4" in err
     code, out, err = _cli(capsys, "advise_target:build", "--budget", "lots")
     assert code == 2 and "--budget 'lots'" in err
+
+
+def test_the_plan_is_the_best_set_within_the_budget() -> None:
+    """Against brute force over every subset: the most error kept within the FLOP budget
+    (a cheap sensitive layer beats an expensive, slightly more sensitive one)."""
+    import itertools
+    import random
+
+    from floatguard.advise import _plan
+
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        names = [f"l{i}" for i in range(n)]
+        share = {x: rng.choice([0.02, 0.037, 0.11, 0.146, 0.3]) for x in names}
+        error = {x: rng.random() for x in names}
+        ranking = sorted(names, key=lambda x: -error[x])
+        budget = rng.choice([0.1, 0.2, 0.45])
+        keep = _plan(ranking, share, budget, error)
+        assert sum(share[x] for x in keep) <= budget + 1e-9
+
+        def best(cap: float, error: dict = error, share: dict = share) -> float:
+            return max(
+                sum(error[x] for x in s)
+                for k in range(len(share) + 1) for s in itertools.combinations(share, k)
+                if sum(share[x] for x in s) <= cap + 1e-9
+            )  # fmt: skip
+
+        # optimal up to the shares' rounding (budget/20000 per layer, up)
+        got = sum(error[x] for x in keep)
+        assert best(budget * (1 - n / 20_000)) - 1e-12 <= got <= best(budget) + 1e-12
+    # the cheap sensitive layer and a second one rather than the single expensive one
+    share = {"big": 0.146, "head": 0.037, "proj": 0.037}
+    error = {"big": 1.0, "head": 0.9, "proj": 0.5}
+    assert _plan(["big", "head", "proj"], share, 0.15, error) == ["head", "proj"]
+
+
+def test_the_expected_gap_judges_a_gap() -> None:
+    from floatguard import ExpectedGap
+
+    e = ExpectedGap("trained", 10, (0, 1, 2), (0.01, 0.02, 0.015), (2.0, 2.1, 2.05))
+    assert e.mean == pytest.approx(0.015) and e.spread == pytest.approx(0.005)
+    assert e.upper == pytest.approx(0.03) and (e.low, e.high) == (0.01, 0.02)
+    assert e.is_expected(0.025) and e.is_expected(-0.01)
+    assert "is expected" in e.judge(0.025)
+    assert not e.is_expected(0.05) and "larger than the recipe's numerics cost" in e.judge(0.05)
+    assert not e.is_expected(math.nan) and "diverged" in e.judge(math.nan)
+    diverged = ExpectedGap("trained", 10, (0,), (math.inf,))
+    assert not diverged.is_expected(0.0) and "emulated run itself diverged" in diverged.judge(0)
+    assert "over 3 seed(s) after 10 step(s)" in str(e)
+
+
+def _manual_run(model: nn.Module, data: list, recipe: EmulationRecipe | None, steps: int,
+                seed: int) -> float:  # fmt: skip
+    """The protocol expected_gap documents, written out: a copy, the batches reshuffled
+    every pass by random.Random(seed), torch seeded with seed, AdamW lr 1e-3, the held-out
+    loss in high precision in eval mode."""
+    import copy
+    import random
+
+    work = copy.deepcopy(model)
+    if recipe is not None:
+        emulate(work, recipe)
+    order, queue = random.Random(seed), []
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        opt = torch.optim.AdamW(work.parameters(), lr=1e-3)
+        for _ in range(steps):
+            if not queue:
+                queue = list(data)
+                order.shuffle(queue)
+            loss_fn(work, queue.pop()).backward()
+            opt.step()
+            opt.zero_grad()
+        if recipe is not None:
+            restore(work)
+        work.eval()
+        with torch.no_grad():
+            return sum(float(loss_fn(work, b)) for b in data) / len(data)
+
+
+def test_expected_gap_is_the_documented_protocol_and_leaves_everything_as_it_was() -> None:
+    from floatguard import expected_gap
+
+    model = _net("underflow", dropout=0.1).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    recipe = EmulationRecipe.nvfp4()
+    e = expected_gap(model, _data(3), recipe, loss_fn=loss_fn, steps=5, seeds=[4, 9])
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and model.training
+    assert e.basis == "trained" and e.seeds == (4, 9) and e.steps == 5
+    for i, seed in enumerate((4, 9)):
+        ref = _manual_run(model, _data(3), None, 5, seed)
+        low = _manual_run(model, _data(3), recipe, 5, seed)
+        assert e.reference[i] == pytest.approx(ref, rel=1e-6)
+        assert e.gaps[i] == pytest.approx(low - ref, abs=1e-6)
+    assert e.mean > 0  # FP4 flushes fc2's input: the emulated run trains worse
+    again = expected_gap(model, _data(3), recipe, loss_fn=loss_fn, steps=5, seeds=[4, 9])
+    assert again == e
+    with pytest.raises(ValueError, match="steps=0"):
+        expected_gap(model, _data(1), recipe, loss_fn=loss_fn, steps=0)
+    with pytest.raises(ValueError, match="seeds=0"):
+        expected_gap(model, _data(1), recipe, loss_fn=loss_fn, seeds=0)
+
+
+def test_advise_reports_the_expected_gap_untrained_and_trained() -> None:
+    a = advise(_net("underflow"), _data(), EmulationRecipe.nvfp4(), loss_fn=loss_fn,
+               budget=1, per_gemm=False, leave_one_out=False)  # fmt: skip
+    assert a.expected is not None and a.expected_plan is not None
+    assert a.expected.basis == "step" and len(a.expected.gaps) == 2
+    assert a.expected.mean == pytest.approx(a.gap_all["loss_delta"])
+    assert a.expected_plan.mean == pytest.approx(a.gap_plan["loss_delta"])
+    t = advise(_net("underflow"), _data(), EmulationRecipe.nvfp4(), loss_fn=loss_fn,
+               budget=1, per_gemm=False, leave_one_out=False, train_steps=4, seeds=2)  # fmt: skip
+    assert t.expected is not None and t.expected_plan is not None
+    assert t.expected.basis == "trained" and t.expected.seeds == (0, 1)
+    assert t.passes == a.passes + 3 * 2 * 4  # reference, everything, the plan: per seed
+    for i in range(2):  # the plan (fc2 kept) is the manual run with only fc2 in fp32
+        ref = _manual_run(_net("underflow"), _data(), None, 4, i)
+        assert t.expected.reference[i] == pytest.approx(ref, rel=1e-6)
+    assert "expected loss gap, everything emulated" in t.summary()
+    by = {la.name: la for la in t.layers}
+    assert by["fc2"].recommendation.startswith("keep in bf16 (the plan)")
+    assert "fprop_input loses" in by["fc2"].recommendation
+    assert by["fc1"].recommendation.startswith("NVFP4 safe at this budget")
+
+
+def test_the_advice_is_logged_and_the_report_shows_it(tmp_path: Path) -> None:
+    from floatguard import EventLog, read_events
+    from floatguard.report import render_report
+
+    a = advise(_net("underflow"), _data(), EmulationRecipe.nvfp4(), loss_fn=loss_fn,
+               budget=1, per_gemm=False, leave_one_out=False)  # fmt: skip
+    path = tmp_path / "run.jsonl"
+    log = EventLog(path)
+    log.emit("step", 1, action="applied", reason=None, loss=1.0, grad_norm=1.0,
+             clip_coef=None, scale=None, lr_factor=1.0, lr=None)  # fmt: skip
+    a.log(log, step=1)
+    log.close()
+    a.log(tmp_path / "only-advice.jsonl")
+    (ev,) = [e for e in read_events(path) if e.kind == "advice"]
+    assert ev["keep"] == ["fc2"] and [la["name"] for la in ev["layers"]] == list(a.ranking)
+    assert ev["expected"]["basis"] == "step"
+    for src in (path, tmp_path / "only-advice.jsonl"):
+        page = render_report(src, tmp_path / f"report-{src.stem}").read_text()
+        assert "<h2>Precision plan</h2>" in page and "<code>fc2</code>" in page
+        assert "keep in bf16 (the plan)" in page and 'alt="gradient SQNR per layer' in page
+        assert (tmp_path / f"report-{src.stem}" / "advice-0.png").stat().st_size > 1000
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"schema": 2, "kind": "advice", "step": 0, "time": 1.0,
+                               "rank": 0, "recipe": "MX", "budget": 0.1, "keep": [],
+                               "kept_share": 0.0, "gap_all": None, "gap_plan": None,
+                               "expected": None, "expected_plan": None, "notes": None,
+                               "layers": [{"name": "a", "share": 0.5, "sqnr_db": 20.0},
+                                          "junk", {"name": 3}]}) + "\n")  # fmt: skip
+    page = render_report(bad, tmp_path / "report-bad").read_text()
+    assert "2 layer entries unreadable" in page and "<td>a</td>" in page
+    with pytest.raises(TypeError, match="EventLog or a path"):
+        a.log(3)  # type: ignore[arg-type]
+    with pytest.raises((OSError, ValueError), match="is a directory"):
+        a.log(tmp_path)  # a folder
+
+
+def test_the_cli_judges_an_observed_gap_and_logs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import sys
+    import types
+
+    from floatguard import read_events
+
+    mod = types.ModuleType("advise_target2")
+    mod.build = lambda: (_net("underflow"), _data(1), loss_fn)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "advise_target2", mod)
+    log = tmp_path / "a.jsonl"
+    code, out, err = _cli(capsys, "advise_target2:build", "--recipe", "nvfp4", "--budget", "1",
+                          "--train-steps", "3", "--seeds", "2", "--observed", "5",
+                          "--log", str(log), "--json")  # fmt: skip
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["expected"]["basis"] == "trained" and got["expected"]["seeds"] == [0, 1]
+    assert got["observed"]["expected"] is False and "larger" in got["observed"]["judgment"]
+    assert [e.kind for e in read_events(log)] == ["advice"]
+    code, out, err = _cli(capsys, "advise_target2:build", "--recipe", "nvfp4", "--budget", "1",
+                          "--observed", "-1")  # fmt: skip
+    assert code == 0 and "is expected" in out
+    for bad, words in ((["--seeds", "0"], "--seeds 0"), (["--train-steps", "-2"],
+                       "--train-steps -2"), (["--observed", "nan"], "--observed nan"),
+                       (["--log", str(tmp_path)], "--log")):  # fmt: skip
+        code, out, err = _cli(capsys, "advise_target2:build", "--budget", "1", *bad)
+        assert code == 2 and words in err, err

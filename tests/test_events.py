@@ -75,7 +75,7 @@ def test_the_envelope_cannot_be_overwritten_and_fields_are_exact() -> None:
     for name in ("schema", "kind", "step", "time", "rank"):
         with pytest.raises(ValueError, match=rf"\['{name}'\] would overwrite the envelope"):
             log.emit("snapshot", 0, where="memory", **{name: 7})
-    with pytest.raises(ValueError, match=r"unknown event kind 'stpe'.*known: end, fault"):
+    with pytest.raises(ValueError, match=r"unknown event kind 'stpe'.*known: advice, end, fault"):
         log.emit("stpe", 0)
     with pytest.raises(
         ValueError, match=r"missing fields \['batch', 'value'\], unexpected \['threshold'\]"

@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"floatguard", "integrations", "demo"},
     {"guard"},
     {"audit", "report", "advise"},
-    {"diagnose", "monitor", "scaling", "stability"},
+    {"diagnose", "monitor", "scaling", "stability", "gap"},
     {"emulation"},
     {"repro", "ops", "runlog", "stats", "formats", "batch_loss", "distributed"},
     {"events", "_event_schema", "_safe_io", "_values", "_foreach", "_native", "errors",

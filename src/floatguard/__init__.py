@@ -13,6 +13,7 @@ from floatguard.errors import FloatguardError
 from floatguard.events import Event, EventLog, read_events
 from floatguard.formats import FORMATS, Explanation, Format, explain, quantize
 from floatguard.formats.codec import decode, encode
+from floatguard.gap import ExpectedGap, expected_gap
 from floatguard.guard import Guard, StepResult
 from floatguard.monitor import Alert, Fault, Monitor, ReplayResult, replay
 from floatguard.ops import GradcheckReport, LogSumExp, Moments, gradcheck
@@ -98,10 +99,12 @@ __all__ = [  # noqa: RUF022 (grouped by what a user does, sorted within a group)
     "Advice",
     "AuditReport",
     "EmulationRecipe",
+    "ExpectedGap",
     "LayerAdvice",
     "advise",
     "audit",
     "emulate",
+    "expected_gap",
     "restore",
     # understand
     "Event",

@@ -57,6 +57,11 @@ FIELD_TYPES: dict[str, dict[str, str]] = {
         "tape_ops": "int?", "reproduced": "bool?",
     },
     "stop": {"reason": "str?", "fault": "str?"},
+    "advice": {
+        "recipe": "str", "budget": "num?", "keep": "list", "kept_share": "num?",
+        "gap_all": "dict?", "gap_plan": "dict?", "expected": "dict?", "expected_plan": "dict?",
+        "notes": "list?", "layers": "list",
+    },
     "end": {
         "state_finite": "bool?", "nonfinite": "list?", "lr_factor": "num?", "lr": "num?",
         "scale": "num?",

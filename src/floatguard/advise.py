@@ -21,12 +21,17 @@ plan is measured, not only predicted. Cost, in forward+backward passes:
 GEMMs the recipe quantizes (0 with ``per_gemm=False`` or when it quantizes only one),
 plus one pass for the operand statistics and one counting the FLOPs.
 
-The plan: layers in ranking order are kept while their GEMM FLOPs (forward and
-backward, counted by :func:`floatguard.emulation.coverage`) fit ``budget`` (a fraction
-of all GEMM FLOPs, or an int: a number of layers); a layer the recipe or ``skip``
-already keeps in high precision is never proposed. The plan is then run: ``gap_plan`` is
-measured, and ``predicted_plan`` is the additive prediction from the leave-one-out
-gains.
+The plan: the layers whose errors alone sum highest while their GEMM FLOPs (forward
+and backward, counted by :func:`floatguard.emulation.coverage`) fit ``budget``, a
+fraction of all GEMM FLOPs (a 0/1 knapsack over the shares rounded up to budget/20000:
+the errors of layers emulated together add up, e.g. on the demo's tiny GPT under MXFP8
+the nine layers' errors alone sum to the all-emulated error within 1%, so a cheap
+sensitive layer can be worth more than a costly one a little more sensitive), or an
+int, a number of layers (the top of the ranking). A layer the recipe or ``skip``
+already keeps in high precision is never proposed. The plan is then run: ``gap_plan``
+is measured, and ``predicted_plan`` is the additive prediction from the leave-one-out
+gains. With ``train_steps``, the expected loss gap (:func:`floatguard.expected_gap`)
+costs ``3 * seeds * train_steps`` more passes and optimizer steps.
 
 Nothing of the model changes: the work runs on a deep copy (one model's memory), with
 torch's RNG forked and reseeded identically for every pass of a batch (dropout draws the
@@ -42,17 +47,22 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from floatguard.batch_loss import batch_loss, check_loss_fn
 from floatguard.emulation import EmulationRecipe, emulate, is_emulated, restore
 from floatguard.emulation.coverage import coverage
+from floatguard.events import EventLog
 from floatguard.formats import get as get_format
+from floatguard.gap import ExpectedGap, OptimizerFactory, trained_gaps
 
 __all__ = ["Advice", "LayerAdvice", "advise"]
 
@@ -77,7 +87,9 @@ class LayerAdvice:
     error with only its fprop / dgrad / wgrad emulated (empty without ``per_gemm``);
     ``gain``: how much of the all-emulated error keeping it in high precision removes
     (None without ``leave_one_out``); ``operands``: per operand, ``sqnr_db``,
-    ``underflow`` and ``saturation`` (empty for layers other than linear ones)."""
+    ``underflow`` and ``saturation`` (empty for layers other than linear ones);
+    ``recommendation``: the verdict in :func:`floatguard.audit`'s words ("keep in bf16"
+    for a layer of the plan, else the recipe is fine for it at this budget)."""
 
     name: str
     flops: int
@@ -87,6 +99,7 @@ class LayerAdvice:
     gemms: dict[str, float] = field(default_factory=dict)
     gain: float | None = None
     operands: dict[str, dict[str, float]] = field(default_factory=dict)
+    recommendation: str = ""
 
     @property
     def sqnr_db(self) -> float:
@@ -102,7 +115,12 @@ class Advice:
     "sqnr_db"}`` with every candidate emulated / with the plan, measured;
     ``predicted_plan``: the plan's error predicted from the leave-one-out gains;
     ``agreement``: Spearman's rank correlation of the two estimators (None when not
-    measured); ``notes``: what the recipe's own rules mean for the plan."""
+    measured); ``notes``: what the recipe's own rules mean for the plan;
+    ``expected`` / ``expected_plan``: the loss gap the recipe costs this model with every
+    candidate emulated / with the plan (:class:`~floatguard.ExpectedGap`: after
+    ``train_steps`` steps over the seeds, or, without ``train_steps``, the one-step loss
+    change per batch); ``expected.judge(gap)`` says whether a gap you see on a GPU is one
+    the recipe's numerics explain."""
 
     recipe: str
     budget: float | int
@@ -116,6 +134,8 @@ class Advice:
     agreement: float | None
     passes: int
     notes: tuple[str, ...] = ()
+    expected: ExpectedGap | None = None
+    expected_plan: ExpectedGap | None = None
 
     def skip(self) -> tuple[str, ...] | Callable[[str, nn.Module], bool]:
         """The plan as ``emulate()``'s ``skip``: the names themselves when, as name
@@ -149,6 +169,11 @@ class Advice:
             if isinstance(skip, tuple)
             else f"emulate(model, recipe, skip=advice.skip())  # names: {self.keep}"
         )
+        if self.expected is not None and self.expected_plan is not None:
+            lines.append(
+                f"expected loss gap, everything emulated: {self.expected}; with the plan: "
+                f"{self.expected_plan} (advice.expected.judge(gap) for a gap you measured)"
+            )
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -160,15 +185,52 @@ class Advice:
             "gap_plan": self.gap_plan, "predicted_plan": self.predicted_plan,
             "agreement": self.agreement, "passes": self.passes, "notes": list(self.notes),
             "layers": [{**la.__dict__, "sqnr_db": la.sqnr_db} for la in self.layers],
+            "expected": None if self.expected is None else self.expected.to_dict(),
+            "expected_plan": None if self.expected_plan is None else self.expected_plan.to_dict(),
         }  # fmt: skip
+
+    def log(self, target: EventLog | str | os.PathLike[str], step: int = 0) -> None:
+        """Append this advice to a run's event log (an :class:`~floatguard.EventLog`,
+        e.g. a guard's, or a JSONL path) as an ``advice`` event: ``floatguard report``
+        shows it (the sensitivity per layer, the plan, the expected gap). OSError when
+        a path cannot be written."""
+        fields = {
+            "recipe": self.recipe, "budget": float(self.budget), "keep": list(self.keep),
+            "kept_share": self.kept_share, "gap_all": self.gap_all, "gap_plan": self.gap_plan,
+            "expected": None if self.expected is None else self.expected.to_dict(),
+            "expected_plan": None if self.expected_plan is None else self.expected_plan.to_dict(),
+            "notes": list(self.notes),
+            "layers": [
+                {"name": la.name, "share": la.share, "sqnr_db": la.sqnr_db,
+                 "loss_delta": la.loss_delta, "recommendation": la.recommendation}
+                for la in self.layers
+            ],
+        }  # fmt: skip
+        if isinstance(target, EventLog):
+            target.emit("advice", step, **fields)
+            return
+        if not isinstance(target, (str, os.PathLike)):
+            raise TypeError(f"Advice.log: give an EventLog or a path, got {type(target).__name__}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a write that fails is raised below
+            out = EventLog(target)
+            try:
+                out.emit("advice", step, **fields)
+            finally:
+                out.close()
+        if out.write_error is not None:
+            raise OSError(f"Advice.log: {target}: {out.write_error}")
 
 
 @dataclass(frozen=True)
 class _Exactly:
+    """An emulate() skip by exact names: those skipped, or (``emulated``) all but those."""
+
     names: frozenset[str]
+    emulated: bool = False
 
     def __call__(self, name: str, module: nn.Module) -> bool:
-        return name in self.names
+        return (name not in self.names) if self.emulated else (name in self.names)
 
 
 def _db(error: float) -> float:
@@ -186,12 +248,20 @@ def advise(
     per_gemm: bool = True,
     leave_one_out: bool = True,
     seed: int = 0,
+    train_steps: int = 0,
+    seeds: int | Sequence[int] = 3,
+    optimizer: OptimizerFactory | None = None,
+    eval_batches: Iterable[Any] | None = None,
 ) -> Advice:
     """Rank the GEMM layers ``emulate(model, recipe, skip=skip)`` would swap by how much
     each one's emulation moves the gradient (and the loss), and plan which to keep in
     high precision under ``budget`` (see the module for the estimator, the cost and the
     limits). ``loss_fn(model, batch)`` as :func:`floatguard.audit` (default: the model's
-    own loss). The model runs in the mode it is in. Returns an :class:`Advice`."""
+    own loss). The model runs in the mode it is in. With ``train_steps``, the expected
+    gap (everything emulated, and the plan) is measured after that many optimizer steps
+    over ``seeds`` by :func:`floatguard.expected_gap` (``optimizer``, ``eval_batches``
+    as there); without, it is the one-step loss change per batch. Returns an
+    :class:`Advice`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"advise: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(recipe, EmulationRecipe):
@@ -226,17 +296,22 @@ def advise(
     ref = run.reference()
     passes = len(data)
 
+    deltas: dict[frozenset[str], list[float]] = {}
+
     def measured(r: EmulationRecipe, emulated: Iterable[str]) -> tuple[float, float]:
         nonlocal passes
         wanted = frozenset(emulated)
         passes += len(data)
         if not wanted:  # nothing emulated: the reference itself
-            return run.against(ref)
+            return run.against(ref)[:2]
         emulate(work, r, skip=lambda n, m: n not in wanted)
         try:
-            return run.against(ref)
+            err, delta, per_batch = run.against(ref)
         finally:
             restore(work)
+        if r is recipe:
+            deltas[wanted] = per_batch
+        return err, delta
 
     everything = measured(recipe, names)
     alone: dict[str, tuple[float, float]] = {n: measured(recipe, [n]) for n in names}
@@ -254,12 +329,27 @@ def advise(
             gains[n] = everything[0] - measured(recipe, [m for m in names if m != n])[0]
     ranking = sorted(names, key=lambda n: (-alone[n][0], names.index(n)))
     share = {n: flops.get(n, _zero()).total / total for n in names}
-    keep = _plan(ranking, share, budget)
-    plan = measured(recipe, [n for n in names if n not in keep])
+    keep = _plan(ranking, share, budget, {n: alone[n][0] for n in names})
+    keep = [n for n in ranking if n in keep]
+    plan_set = [n for n in names if n not in keep]
+    plan = measured(recipe, plan_set)
     operands = run.operands(recipe, names)
+    if train_steps:
+        expected, expected_plan = trained_gaps(
+            model, data, recipe, [skip, _Exactly(frozenset(plan_set), emulated=True)],
+            loss_fn=loss_fn, steps=train_steps, seeds=seeds, optimizer=optimizer,
+            eval_batches=eval_batches,
+        )  # fmt: skip
+        passes += (2 * len(expected.seeds) + len(expected.seeds)) * train_steps
+    else:
+        expected, expected_plan = (
+            ExpectedGap("step", 0, (seed,), tuple(deltas.get(frozenset(s), [])))
+            for s in (names, plan_set)
+        )
     layers = tuple(
         LayerAdvice(n, flops.get(n, _zero()).total, share[n], alone[n][0], alone[n][1],
-                    gemms[n], gains.get(n), operands.get(n, {}))
+                    gemms[n], gains.get(n), operands.get(n, {}),
+                    _recommend(n, keep, alone[n][0], operands.get(n, {}), recipe))
         for n in ranking
     )  # fmt: skip
     return Advice(
@@ -269,7 +359,7 @@ def advise(
         predicted_plan=max(everything[0] - sum(gains[n] for n in keep), 0.0) if gains else None,
         agreement=_spearman([alone[n][0] for n in names], [gains[n] for n in names])
         if gains and len(names) > 2 else None,
-        passes=passes + 2, notes=_notes(recipe),
+        passes=passes + 2, notes=_notes(recipe), expected=expected, expected_plan=expected_plan,
     )  # fmt: skip
 
 
@@ -297,15 +387,32 @@ def _only(recipe: EmulationRecipe, gemm: str) -> EmulationRecipe:
     return replace(recipe, **{**explicit, **off})
 
 
-def _plan(ranking: list[str], share: dict[str, float], budget: float | int) -> list[str]:
+def _plan(
+    ranking: list[str], share: dict[str, float], budget: float | int, error: dict[str, float]
+) -> list[str]:
+    """The layers whose errors sum highest with their FLOP shares within ``budget`` (a
+    0/1 knapsack over shares in units of budget/20000, rounded up so the plan fits; ties
+    to the ranking's order), or the top ``budget`` of the ranking for a layer count."""
     if isinstance(budget, int):
         return ranking[:budget]
-    keep, used = [], 0.0
-    for n in ranking:
-        if used + share[n] <= budget + 1e-12:
-            keep.append(n)
-            used += share[n]
-    return keep
+    units = 20_000
+    cost = [math.ceil(share[n] / budget * units - 1e-6) for n in ranking]
+    best = np.zeros(units + 1)
+    took = np.zeros((len(ranking), units + 1), dtype=bool)
+    for i, n in enumerate(ranking):
+        c, v = cost[i], error[n] if math.isfinite(error[n]) else 1e300
+        if c > units:
+            continue
+        with_it = best[: units + 1 - c] + v  # best[cap - c] + v for cap in c..units
+        better = with_it > best[c:]
+        took[i, c:] = better
+        best[c:] = np.where(better, with_it, best[c:])
+    keep, cap = [], units
+    for i in range(len(ranking) - 1, -1, -1):
+        if took[i, cap]:
+            keep.append(ranking[i])
+            cap -= cost[i]
+    return keep[::-1]
 
 
 def _spearman(a: list[float], b: list[float]) -> float | None:
@@ -328,6 +435,28 @@ def _spearman(a: list[float], b: list[float]) -> float | None:
     va = sum((x - ma) ** 2 for x in ra)
     vb = sum((y - mb) ** 2 for y in rb)
     return None if va == 0 or vb == 0 else cov / math.sqrt(va * vb)
+
+
+def _recommend(
+    name: str,
+    keep: list[str],
+    error: float,
+    operands: dict[str, dict[str, float]],
+    recipe: EmulationRecipe,
+) -> str:
+    """The layer's verdict in audit's words (``keep in bf16``, ``... safe``), with the
+    measurement behind it: the gradient SQNR alone and the worst operand's losses."""
+    worst = ""
+    if operands:
+        op, st = max(operands.items(), key=lambda kv: kv[1]["underflow"] + kv[1]["saturation"])
+        lost = st["underflow"] + st["saturation"]
+        if lost > 0:
+            kind = "underflow" if st["underflow"] >= st["saturation"] else "saturation"
+            worst = f"; {op} loses {lost:.2%} of values ({kind})"
+    what = f"gradient SQNR {_db(error):.1f} dB with only it emulated{worst}"
+    if name in keep:
+        return f"keep in bf16 (the plan): {what}"
+    return f"{_recipe_name(recipe)} safe at this budget: {what}"
 
 
 def _recipe_name(recipe: EmulationRecipe) -> str:
@@ -379,8 +508,9 @@ class _Runner:
     def reference(self) -> list[tuple[float, torch.Tensor]]:
         return [self.one(i, b) for i, b in enumerate(self.batches)]
 
-    def against(self, ref: list[tuple[float, torch.Tensor]]) -> tuple[float, float]:
-        """(mean relative squared gradient error, mean loss change) against ``ref``."""
+    def against(self, ref: list[tuple[float, torch.Tensor]]) -> tuple[float, float, list[float]]:
+        """(mean relative squared gradient error, mean loss change, the loss changes per
+        batch) against ``ref``."""
         errors, deltas = [], []
         for i, b in enumerate(self.batches):
             loss, g = self.one(i, b)
@@ -389,7 +519,7 @@ class _Runner:
             err = float((g - r).pow(2).sum()) / denom if denom > 0 else 0.0
             errors.append(err if math.isfinite(err) else math.inf)
             deltas.append(loss - r_loss)
-        return sum(errors) / len(errors), sum(deltas) / len(deltas)
+        return sum(errors) / len(errors), sum(deltas) / len(deltas), deltas
 
     def operands(self, recipe: EmulationRecipe, names: list[str]) -> dict[str, dict[str, Any]]:
         """Per linear layer, its operands on the first batch quantized in their GEMMs'

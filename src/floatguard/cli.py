@@ -756,6 +756,22 @@ def advise_cmd(
             help="Kept in high precision: a fraction of GEMM FLOPs (0.1) or a number of layers (3)."
         ),
     ] = "0.1",
+    train_steps: Annotated[
+        int,
+        typer.Option(
+            help="Also train this many steps per seed (AdamW, lr 1e-3) for the expected "
+            "loss gap; 0: the one-step loss change."
+        ),
+    ] = 0,
+    seeds: Annotated[int, typer.Option(help="Seeds of the expected gap's training.")] = 3,
+    observed: Annotated[
+        float | None,
+        typer.Option(help="A loss gap you measured (low precision minus BF16): is it expected?"),
+    ] = None,
+    log: Annotated[
+        Path | None,
+        typer.Option(help="Append the advice to this event log (floatguard report shows it)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Which layers to keep in high precision under a recipe, measured on this machine."""
@@ -770,10 +786,16 @@ def advise_cmd(
         raise _fail(
             f"--budget {budget!r}: give a fraction (0.1) or a number of layers (3)"
         ) from None
+    if train_steps < 0:
+        raise _fail(f"--train-steps {train_steps}: give 0 (no training) or a number of steps")
+    if seeds < 1:
+        raise _fail(f"--seeds {seeds}: give at least 1")
+    if observed is not None and not math.isfinite(observed):
+        raise _fail(f"--observed {observed}: give a finite loss gap (e.g. 0.02)")
     model, batches, loss_fn = _load_target(target)
     try:
         advice = advise(model, batches, getattr(EmulationRecipe, recipe)(), loss_fn=loss_fn,
-                        budget=cap)  # fmt: skip
+                        budget=cap, train_steps=train_steps, seeds=seeds)  # fmt: skip
     except (ValueError, TypeError) as e:
         raise _fail(f"TARGET {target!r}: {e}") from None
     except KeyboardInterrupt:
@@ -783,12 +805,26 @@ def advise_cmd(
             f"TARGET {target!r}: advise stopped at {_what(e)} (raised in the model, its "
             "loss_fn or floatguard; rerun with --debug for the traceback)"
         ) from e
+    if log is not None:
+        try:
+            advice.log(log)
+        except (OSError, ValueError) as e:
+            raise _fail(
+                f"--log {str(log)!r}: cannot append to it ({e}); give a writable file"
+            ) from None
+    judged = None if observed is None or advice.expected is None else advice.expected
     if as_json:
         from floatguard.events import encode_value
 
-        print(json.dumps(encode_value(advice.to_dict()), allow_nan=False))
+        data = advice.to_dict()
+        if judged is not None and observed is not None:
+            data["observed"] = {"gap": observed, "expected": judged.is_expected(observed),
+                                "judgment": judged.judge(observed)}  # fmt: skip
+        print(json.dumps(encode_value(data), allow_nan=False))
         return
     _out.print(escape(advice.summary()))
+    if judged is not None and observed is not None:
+        _out.print(escape(judged.judge(observed)))
 
 
 def _audit_html(target: str, keys: list[str], rows: list[Any], report: Any) -> str:

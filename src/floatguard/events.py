@@ -76,6 +76,10 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
         "stop": ("reason", "fault"),
         "end": ("state_finite", "nonfinite", "lr_factor", "lr", "scale"),
         "repro": ("path", "level", "bytes", "seconds", "tape_ops", "reproduced"),
+        "advice": (
+            "recipe", "budget", "keep", "kept_share", "gap_all", "gap_plan", "expected",
+            "expected_plan", "notes", "layers",
+        ),
     }.items()
 }  # fmt: skip
 # Fields that hold strings: in schema 1 files a string "nan" there stays a string.

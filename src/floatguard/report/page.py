@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import html
 import math
 import os
 from collections import Counter
@@ -16,6 +14,10 @@ from floatguard._event_schema import finite as _finite
 from floatguard._safe_io import replacing
 from floatguard.diagnose import Finding, RunInfo, clipped_steps, diagnose, run_info
 from floatguard.events import Event, conform_events
+from floatguard.report._html import escape as _e
+from floatguard.report._html import img_tag as _img
+from floatguard.report._html import save_figure as _save
+from floatguard.report.advice import advice_section
 from floatguard.report.verdict import Verdict, verdict_of
 from floatguard.runlog import RunLog, global_view, reduce_stats, tensor_fields
 
@@ -302,21 +304,6 @@ def _cap_sentence(info: RunInfo, at_cap: int, by_z: int, applied: int) -> str:
     )
 
 
-def _save(fig: Any, plt: Any, path: Path) -> None:
-    """Lay out and write a figure; a layout matplotlib cannot compute is drawn as is."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tight_layout's "not compatible" and the like
-        try:
-            fig.tight_layout()
-        except (ValueError, OverflowError):
-            pass
-        with replacing(path) as tmp:
-            fig.savefig(tmp, dpi=90, format=path.suffix.lstrip("."))
-    plt.close(fig)
-
-
 # the formats whose windows the exponent histograms are drawn against
 _WINDOWS = ("fp16", "bf16", "e4m3fn", "e5m2")
 
@@ -440,26 +427,6 @@ td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left;font-size:.92em}
 img{max-width:100%} .sev3{border-left:5px solid #d62728}.sev2{border-left:5px solid #ff7f0e}
 .sev1{border-left:5px solid #999} .muted{color:#666;font-size:.9em}
 """
-
-
-def _visible(c: str) -> str:
-    """A character as the page shows it: control characters and bidirectional overrides
-    (which reorder text on screen) as escapes, everything else as it is."""
-    if c.isprintable() and not 0x202A <= ord(c) <= 0x202E and not 0x2066 <= ord(c) <= 0x2069:
-        return c
-    return repr(c)[1:-1] if c.isascii() else f"\\u{ord(c):04x}"
-
-
-def _e(v: object) -> str:
-    text = str(v)
-    if not text.isprintable() or any(0x202A <= ord(c) <= 0x2069 for c in text):
-        text = "".join(_visible(c) for c in text)
-    return html.escape(text, quote=True)
-
-
-def _img(path: Path, alt: str) -> str:
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img src="data:image/png;base64,{data}" alt="{_e(alt)}">'
 
 
 def _figure(plots: dict[str, Path], notes: dict[str, str], name: str, alt: str) -> str:
@@ -695,6 +662,7 @@ def render_report(
         else "",
         _figure(plots, notes, "heatmap", "per-layer amax and fp16 underflow over sampled steps"),
         _figure(plots, notes, "histograms", "exponent histograms against format windows"),
+        advice_section(log, out),
         f"<h2>Faults ({verdict.faults})</h2>",
         _fault_cards(log),
         _repro_section(log, out),

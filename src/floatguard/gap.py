@@ -1,0 +1,260 @@
+"""The loss gap a recipe costs on a model, with its seed spread: "is this gap expected?"
+
+A user comparing an FP8 (or FP4) run on a GPU against a BF16 run sees a validation loss
+a little higher and cannot tell an expected gap from a bug (Megatron-LM#1152: "FP8 vs
+BF16 loss differ by about 2e-2: is this expected?"). :func:`expected_gap` trains copies
+of the model for ``steps`` optimizer steps, once in high precision and once under the
+emulated recipe, from the same weights, the same batches in the same order and the same
+RNG, for each seed; the gap is the held-out loss (evaluated in high precision, in eval
+mode, without gradients) of the emulated run minus the high-precision run's. The seeds
+change the batch order (a fresh shuffle of ``batches`` every pass) and torch's RNG
+(dropout masks, stochastic rounding), not the initial weights, which are the model's.
+
+Limits: the gap is this model's, on these batches, after these steps; a larger model
+or a longer run can cost more or less (a gap usually grows with training tokens in the
+reports above). It answers "is my GPU run's gap within what the recipe's numerics cost
+here?", and a gap far above it points at something the recipe does not explain: a layer
+quantized that the recipe keeps, scales not reduced across ranks, a kernel bug.
+
+Cost: ``len(seeds) * steps * (1 + configurations)`` forward+backward passes and as many
+optimizer steps, plus the evaluations; the model, its gradients and torch's RNG are
+left as they were (the work is done on deep copies, under a forked RNG).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from floatguard.batch_loss import batch_loss, check_loss_fn
+from floatguard.emulation import EmulationRecipe, emulate, is_emulated, restore
+
+__all__ = ["ExpectedGap", "expected_gap"]
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Skip = tuple[str, ...] | Callable[[str, nn.Module], bool] | None
+
+
+@dataclass(frozen=True)
+class ExpectedGap:
+    """The loss gap a recipe costs (emulated minus high precision), measured.
+
+    ``basis``: ``"trained"`` (``gaps`` are the held-out loss gaps after ``steps``
+    optimizer steps, one per seed) or ``"step"`` (no training: ``gaps`` are the loss
+    changes of one forward pass per batch, the cheap stand-in :func:`floatguard.advise`
+    gives without ``train_steps``; ``seeds`` then holds the seed the passes ran under).
+    ``mean``, ``spread`` (sample standard deviation; 0 for one value), ``low`` and
+    ``high`` summarize ``gaps``; ``reference``: the high-precision held-out losses."""
+
+    basis: str
+    steps: int
+    seeds: tuple[int, ...]
+    gaps: tuple[float, ...]
+    reference: tuple[float, ...] = ()
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.gaps) if self.gaps else math.nan
+
+    @property
+    def spread(self) -> float:
+        finite = [g for g in self.gaps if math.isfinite(g)]
+        return statistics.stdev(finite) if len(finite) > 1 else 0.0
+
+    @property
+    def low(self) -> float:
+        return min(self.gaps) if self.gaps else math.nan
+
+    @property
+    def high(self) -> float:
+        return max(self.gaps) if self.gaps else math.nan
+
+    @property
+    def upper(self) -> float:
+        """The largest gap still called expected: the larger of the highest gap seen and
+        the mean plus three spreads (few seeds estimate the spread roughly)."""
+        return max(self.high, self.mean + 3 * self.spread)
+
+    def is_expected(self, observed: float) -> bool:
+        """Whether an observed gap (your low-precision run's loss minus your
+        high-precision run's, same data) is no larger than :attr:`upper`. A non-finite
+        gap (a run that diverged) is never expected."""
+        return math.isfinite(observed) and math.isfinite(self.upper) and observed <= self.upper
+
+    def judge(self, observed: float) -> str:
+        """One sentence: is ``observed`` a gap the recipe's numerics explain here?"""
+        seen = f"{self:s}"
+        if not math.isfinite(float(observed)):
+            return f"a gap of {observed} is no gap: the run diverged (the recipe costs {seen})"
+        if not math.isfinite(self.upper):
+            return (
+                f"the emulated run itself diverged ({seen}): the recipe does not train this "
+                "model as configured; a gap of any size is not evidence of a bug"
+            )
+        if observed <= self.upper:
+            return (
+                f"a gap of {observed:+.4g} is expected: the recipe costs {seen} here "
+                f"(up to {self.upper:+.4g})"
+            )
+        return (
+            f"a gap of {observed:+.4g} is larger than the recipe's numerics cost here "
+            f"({seen}, up to {self.upper:+.4g}): look for what the recipe does not explain "
+            "(a layer quantized that the recipe keeps in high precision, scales not reduced "
+            "across ranks, a different data order or learning rate, a kernel bug)"
+        )
+
+    def __format__(self, spec: str) -> str:
+        if spec not in ("", "s"):
+            raise ValueError(f"ExpectedGap format {spec!r}: use '' or 's'")
+        where = (
+            f"over {len(self.gaps)} seed(s) after {self.steps} step(s)"
+            if self.basis == "trained"
+            else f"over {len(self.gaps)} batch(es) of one step, untrained"
+        )
+        return f"{self.mean:+.4g} ± {self.spread:.2g} ({self.low:+.4g}..{self.high:+.4g}) {where}"
+
+    def __str__(self) -> str:
+        return format(self, "s")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready but for non-finite floats)."""
+        return {
+            "basis": self.basis, "steps": self.steps, "seeds": list(self.seeds),
+            "gaps": list(self.gaps), "reference": list(self.reference), "mean": self.mean,
+            "spread": self.spread, "low": self.low, "high": self.high, "upper": self.upper,
+        }  # fmt: skip
+
+
+def expected_gap(
+    model: nn.Module,
+    batches: Iterable[Any],
+    recipe: EmulationRecipe,
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    steps: int = 100,
+    seeds: int | Sequence[int] = 3,
+    optimizer: OptimizerFactory | None = None,
+    eval_batches: Iterable[Any] | None = None,
+    skip: Skip = None,
+) -> ExpectedGap:
+    """The held-out loss gap ``recipe`` costs ``model`` after ``steps`` optimizer steps
+    on ``batches`` (cycled, reshuffled every pass), over ``seeds`` (an int ``n``: seeds
+    0..n-1, or the seeds themselves); see the module for what varies with the seed, the
+    cost and the limits. ``optimizer(params)`` builds the optimizer (default AdamW,
+    lr 1e-3: pass your own schedule's optimizer to measure your run's gap);
+    ``eval_batches``: the held-out batches (default: ``batches`` themselves, which
+    measures the training loss); ``skip``: as :func:`floatguard.emulate`'s (default: the
+    recipe's own). ``loss_fn(model, batch)`` as :func:`floatguard.audit`'s."""
+    return trained_gaps(
+        model, batches, recipe, [skip], loss_fn=loss_fn, steps=steps, seeds=seeds,
+        optimizer=optimizer, eval_batches=eval_batches,
+    )[0]  # fmt: skip
+
+
+def trained_gaps(
+    model: nn.Module,
+    batches: Iterable[Any],
+    recipe: EmulationRecipe,
+    skips: list[Skip],
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    steps: int,
+    seeds: int | Sequence[int],
+    optimizer: OptimizerFactory | None,
+    eval_batches: Iterable[Any] | None,
+) -> list[ExpectedGap]:
+    """One :class:`ExpectedGap` per entry of ``skips`` (each an emulate() skip), the
+    high-precision run trained once per seed for all of them."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected_gap: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, EmulationRecipe):
+        raise TypeError(
+            f"expected_gap: recipe must be an EmulationRecipe (e.g. EmulationRecipe.mxfp8()), "
+            f"got {type(recipe).__name__}"
+        )
+    if is_emulated(model):
+        raise ValueError("expected_gap: the model is already emulate()d; restore(model) first")
+    check_loss_fn(loss_fn)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"expected_gap: steps={steps!r}; give an int >= 1 (optimizer steps)")
+    if isinstance(seeds, bool) or (isinstance(seeds, int) and seeds < 1):
+        raise ValueError(f"expected_gap: seeds={seeds!r}; give an int >= 1 or a list of seeds")
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if not seed_list:
+        raise ValueError("expected_gap: seeds=[]; give at least one seed")
+    data = _listed(batches, "batches")
+    held = data if eval_batches is None else _listed(eval_batches, "eval_batches")
+    make = optimizer if optimizer is not None else _adamw
+    refs: list[float] = []
+    gaps: list[list[float]] = [[] for _ in skips]
+    for seed in seed_list:
+        ref = _train(model, data, held, None, None, loss_fn, steps, seed, make)
+        refs.append(ref)
+        for i, skip in enumerate(skips):
+            got = _train(model, data, held, recipe, skip, loss_fn, steps, seed, make)
+            gaps[i].append(got - ref if math.isfinite(got) else math.inf)
+    return [ExpectedGap("trained", steps, tuple(seed_list), tuple(g), tuple(refs)) for g in gaps]
+
+
+def _listed(batches: Iterable[Any], what: str) -> list[Any]:
+    data = list(batches) if not isinstance(batches, (torch.Tensor, str, bytes)) else None
+    if not data:
+        raise ValueError(f"expected_gap: give a non-empty list of {what} (a tensor alone: [x])")
+    return data
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _train(
+    model: nn.Module,
+    data: list[Any],
+    held: list[Any],
+    recipe: EmulationRecipe | None,
+    skip: Skip,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    steps: int,
+    seed: int,
+    make: OptimizerFactory,
+) -> float:
+    """Train a copy of ``model`` ``steps`` steps (emulated under ``recipe`` unless None),
+    then its mean held-out loss in high precision; inf when a loss went non-finite."""
+    work = copy.deepcopy(model)
+    work.train(model.training)
+    params = [p for p in work.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    if recipe is not None:
+        emulate(work, recipe, skip=(recipe.skip or ()) if skip is None else skip)
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    order = random.Random(seed)
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        opt = make(params)
+        queue: list[Any] = []
+        for _ in range(steps):
+            if not queue:
+                queue = list(data)
+                order.shuffle(queue)
+            loss = batch_loss(loss_fn, work, queue.pop())
+            if not torch.isfinite(loss.detach()):  # a diverged run: its gap is infinite
+                return math.inf
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if recipe is not None:
+            restore(work)
+        work.eval()
+        with torch.no_grad():
+            losses = [float(batch_loss(loss_fn, work, b)) for b in held]
+    mean = statistics.fmean(losses)
+    return mean if math.isfinite(mean) else math.inf
