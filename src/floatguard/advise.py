@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -57,12 +58,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from floatguard.batch_loss import batch_loss, check_loss_fn
-from floatguard.emulation import EmulationRecipe, emulate, is_emulated, restore
+from floatguard.batch_loss import batch_loss, check_loss_fn, output_loss
+from floatguard.emulation import EmulationRecipe, check_skip, emulate, is_emulated, restore
 from floatguard.emulation.coverage import coverage
 from floatguard.events import EventLog
 from floatguard.formats import get as get_format
-from floatguard.gap import ExpectedGap, OptimizerFactory, trained_gaps
+from floatguard.gap import ExpectedGap, OptimizerFactory, listed, seed_list_of, trained_gaps
 
 __all__ = ["Advice", "LayerAdvice", "advise"]
 
@@ -136,11 +137,18 @@ class Advice:
     notes: tuple[str, ...] = ()
     expected: ExpectedGap | None = None
     expected_plan: ExpectedGap | None = None
+    base_skip: Skip = field(default=None, compare=False, repr=False)
+    """The skip the layers were chosen under (yours or the recipe's), kept by skip()."""
 
     def skip(self) -> tuple[str, ...] | Callable[[str, nn.Module], bool]:
-        """The plan as ``emulate()``'s ``skip``: the names themselves when, as name
-        substrings, they match no other layer; else a predicate of exact names."""
-        return self.keep if self._exact else _Exactly(frozenset(self.keep))
+        """The plan as ``emulate()``'s ``skip``, with the skip the advice was made under
+        (yours, or the recipe's own) kept: a tuple of name substrings when the plan's
+        names, as substrings, match no other candidate layer and that skip was a tuple;
+        else a predicate of exact names (and that skip)."""
+        base = self.base_skip
+        if self._exact and (base is None or isinstance(base, (tuple, list))):
+            return (*(base or ()), *self.keep)
+        return _Exactly(frozenset(self.keep), base=base)
 
     @property
     def _exact(self) -> bool:
@@ -151,15 +159,15 @@ class Advice:
         """The ranking and the plan, in words."""
         lines = [
             f"advise {self.recipe}: {len(self.ranking)} layer(s), {self.passes} passes; "
-            f"everything emulated: gradient SQNR {self.gap_all['sqnr_db']:.1f} dB, loss "
+            f"everything emulated: gradient SQNR {_dbs(self.gap_all['error'])}, loss "
             f"{self.gap_all['loss_delta']:+.4g}; the plan ({len(self.keep)} layer(s), "
-            f"{self.kept_share:.1%} of GEMM FLOPs kept): {self.gap_plan['sqnr_db']:.1f} dB, "
+            f"{self.kept_share:.1%} of GEMM FLOPs kept): {_dbs(self.gap_plan['error'])}, "
             f"loss {self.gap_plan['loss_delta']:+.4g}"
         ]
         for la in self.layers[:top]:
-            gemm = ", ".join(f"{g} {_db(e):.1f}" for g, e in la.gemms.items())
+            gemm = ", ".join(f"{g} {_dbs(e)}" for g, e in la.gemms.items())
             lines.append(
-                f"  {la.name}: {la.sqnr_db:.1f} dB alone ({la.share:.1%} of FLOPs)"
+                f"  {la.name}: {_dbs(la.error)} alone ({la.share:.1%} of FLOPs)"
                 + (f"; by GEMM: {gemm}" if gemm else "")
                 + (" [keep]" if la.name in self.keep else "")
             )
@@ -167,12 +175,13 @@ class Advice:
         lines.append(
             f"emulate(model, recipe, skip={skip!r})"
             if isinstance(skip, tuple)
-            else f"emulate(model, recipe, skip=advice.skip())  # names: {self.keep}"
+            else f"emulate(model, recipe, skip=advice.skip())  # {skip!r}"
         )
         if self.expected is not None and self.expected_plan is not None:
             lines.append(
                 f"expected loss gap, everything emulated: {self.expected}; with the plan: "
-                f"{self.expected_plan} (advice.expected.judge(gap) for a gap you measured)"
+                f"{self.expected_plan} (to judge a gap you measured: "
+                "advice.expected.judge(gap), or --observed GAP)"
             )
         lines.extend(self.notes)
         return "\n".join(lines)
@@ -224,17 +233,36 @@ class Advice:
 
 @dataclass(frozen=True)
 class _Exactly:
-    """An emulate() skip by exact names: those skipped, or (``emulated``) all but those."""
+    """An emulate() skip by exact names: those skipped (and what ``base``, another skip,
+    skips), or (``emulated``) all but those."""
 
     names: frozenset[str]
     emulated: bool = False
+    base: Skip = None
 
     def __call__(self, name: str, module: nn.Module) -> bool:
-        return (name not in self.names) if self.emulated else (name in self.names)
+        if self.emulated:
+            return name not in self.names
+        if name in self.names:
+            return True
+        base = self.base
+        if base is None:
+            return False
+        return bool(base(name, module)) if callable(base) else any(s in name for s in base)
+
+    def __repr__(self) -> str:
+        also = "" if self.base is None else f" and what {self.base!r} skips"
+        return f"<the layers {sorted(self.names)}{also}>"
 
 
 def _db(error: float) -> float:
     return math.inf if error <= 0 else -10.0 * math.log10(error)
+
+
+def _dbs(error: float) -> str:
+    """An error in dB as the summary prints it: "exact" for none at all."""
+    db = _db(error)
+    return "exact" if db == math.inf else f"{db:.1f} dB"
 
 
 def advise(
@@ -252,6 +280,7 @@ def advise(
     seeds: int | Sequence[int] = 3,
     optimizer: OptimizerFactory | None = None,
     eval_batches: Iterable[Any] | None = None,
+    name: str | None = None,
 ) -> Advice:
     """Rank the GEMM layers ``emulate(model, recipe, skip=skip)`` would swap by how much
     each one's emulation moves the gradient (and the loss), and plan which to keep in
@@ -260,40 +289,27 @@ def advise(
     own loss). The model runs in the mode it is in. With ``train_steps``, the expected
     gap (everything emulated, and the plan) is measured after that many optimizer steps
     over ``seeds`` by :func:`floatguard.expected_gap` (``optimizer``, ``eval_batches``
-    as there); without, it is the one-step loss change per batch. Returns an
-    :class:`Advice`."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"advise: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(recipe, EmulationRecipe):
-        raise TypeError(
-            f"advise: recipe must be an EmulationRecipe (e.g. EmulationRecipe.nvfp4()), "
-            f"got {type(recipe).__name__}"
-        )
-    check_loss_fn(loss_fn)
-    if is_emulated(model):
-        raise ValueError(
-            "advise: the model is already emulate()d; pass the high-precision model "
-            "(restore(model) first)"
-        )
-    data = list(batches) if not isinstance(batches, (torch.Tensor, str, bytes)) else None
-    if not data:
-        raise ValueError("advise: give a non-empty list of batches (a tensor alone: [x])")
-    whole = isinstance(budget, float) and 0 < budget < 1
-    if isinstance(budget, bool) or not (whole or (isinstance(budget, int) and budget >= 0)):
-        raise ValueError(
-            f"advise: budget={budget!r}; give a fraction of GEMM FLOPs in (0, 1) (0.1: "
-            "10%) or a number of layers (an int >= 0)"
-        )
+    as there); without, it is the one-step loss change per batch. ``name``: the
+    recipe's name in the advice and the report (default: the preset it equals, e.g.
+    ``"nvfp4_training"``, else the operand recipe's class). Returns an :class:`Advice`.
+
+    ValueError when the high-precision loss or gradient is already non-finite on a
+    batch (nothing can be ranked against it), naming the batch."""
+    data, budget = _check_args(model, batches, recipe, loss_fn, budget, skip, seed, per_gemm,
+                       leave_one_out, train_steps, seeds)  # fmt: skip
+    label = name if name is not None else _recipe_name(recipe)
     work = copy.deepcopy(model)
     for p in work.parameters():
         p.grad = None
-    skip = (recipe.skip or ()) if skip is None else skip
+    given_skip, skip = skip, (recipe.skip or ()) if skip is None else skip
     names = list(emulate(work, recipe, skip=skip))
     restore(work)
-    flops = coverage(work, data[0], recipe, loss_fn=loss_fn, skip=skip).by_module()
-    total = max(sum(f.total for f in flops.values()), 1)
     run = _Runner(work, data, loss_fn, seed)
-    ref = run.reference()
+    ref = run.reference()  # first: a batch the model cannot run is named here
+    with torch.random.fork_rng(devices=_cuda_devices(work)):  # its stochastic rounding
+        torch.manual_seed(seed)
+        flops = coverage(work, data[0], recipe, loss_fn=loss_fn, skip=skip).by_module()
+    total = max(sum(f.total for f in flops.values()), 1)
     passes = len(data)
 
     deltas: dict[frozenset[str], list[float]] = {}
@@ -326,7 +342,7 @@ def advise(
     gains: dict[str, float] = {}
     if leave_one_out:
         for n in names:
-            gains[n] = everything[0] - measured(recipe, [m for m in names if m != n])[0]
+            gains[n] = _gain(everything[0], measured(recipe, [m for m in names if m != n])[0])
     ranking = sorted(names, key=lambda n: (-alone[n][0], names.index(n)))
     share = {n: flops.get(n, _zero()).total / total for n in names}
     keep = _plan(ranking, share, budget, {n: alone[n][0] for n in names})
@@ -334,33 +350,93 @@ def advise(
     plan_set = [n for n in names if n not in keep]
     plan = measured(recipe, plan_set)
     operands = run.operands(recipe, names)
+    configs = ["every candidate layer emulated", f"the plan ({len(keep)} layer(s) kept)"]
     if train_steps:
         expected, expected_plan = trained_gaps(
             model, data, recipe, [skip, _Exactly(frozenset(plan_set), emulated=True)],
             loss_fn=loss_fn, steps=train_steps, seeds=seeds, optimizer=optimizer,
-            eval_batches=eval_batches,
+            eval_batches=eval_batches, configs=configs, who="advise",
         )  # fmt: skip
-        passes += (2 * len(expected.seeds) + len(expected.seeds)) * train_steps
+        passes += 3 * len(expected.seeds) * train_steps
     else:
         expected, expected_plan = (
-            ExpectedGap("step", 0, (seed,), tuple(deltas.get(frozenset(s), [])))
-            for s in (names, plan_set)
-        )
+            ExpectedGap("step", 0, (seed,),
+                        tuple(deltas.get(frozenset(s), [0.0] * len(data))), config=c)
+            for s, c in zip((names, plan_set), configs, strict=True)
+        )  # fmt: skip
     layers = tuple(
         LayerAdvice(n, flops.get(n, _zero()).total, share[n], alone[n][0], alone[n][1],
                     gemms[n], gains.get(n), operands.get(n, {}),
-                    _recommend(n, keep, alone[n][0], operands.get(n, {}), recipe))
+                    _recommend(n, keep, alone[n][0], operands.get(n, {}), label))
         for n in ranking
     )  # fmt: skip
+    finite_all = math.isfinite(everything[0])
     return Advice(
-        recipe=_recipe_name(recipe), budget=budget, layers=layers, ranking=tuple(ranking),
+        recipe=label, budget=budget, layers=layers, ranking=tuple(ranking),
         keep=tuple(keep), kept_share=sum(share[n] for n in keep),
         gap_all=_gap(everything), gap_plan=_gap(plan),
-        predicted_plan=max(everything[0] - sum(gains[n] for n in keep), 0.0) if gains else None,
+        predicted_plan=max(everything[0] - sum(gains[n] for n in keep), 0.0)
+        if gains and finite_all else None,
         agreement=_spearman([alone[n][0] for n in names], [gains[n] for n in names])
         if gains and len(names) > 2 else None,
         passes=passes + 2, notes=_notes(recipe), expected=expected, expected_plan=expected_plan,
+        base_skip=skip if given_skip is not None or recipe.skip else None,
     )  # fmt: skip
+
+
+def _check_args(
+    model: object, batches: object, recipe: object, loss_fn: object, budget: object,
+    skip: object, seed: object, per_gemm: object, leave_one_out: object, train_steps: object,
+    seeds: object,
+) -> tuple[list[Any], float | int]:  # fmt: skip
+    """The arguments checked, each bad one named with its fix; the batches as a list and
+    the budget as an int (layers) or a float (a FLOP fraction)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"advise: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, EmulationRecipe):
+        raise TypeError(
+            f"advise: recipe must be an EmulationRecipe (e.g. EmulationRecipe.nvfp4()), "
+            f"got {type(recipe).__name__}"
+        )
+    check_loss_fn(loss_fn, "advise")
+    if is_emulated(model):
+        raise ValueError(
+            "advise: the model is already emulate()d; pass the high-precision model "
+            "(restore(model) first)"
+        )
+    data = listed(batches, "batches", "advise")
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise TypeError(
+            f"advise: budget={budget!r}; give a fraction of GEMM FLOPs in (0, 1) (0.1: 10%) "
+            "or a number of layers (an int >= 0)"
+        )
+    layers = isinstance(budget, numbers.Integral) and int(budget) >= 0
+    if not (layers or 0 < float(budget) < 1):
+        raise ValueError(
+            f"advise: budget={budget!r}; give a fraction of GEMM FLOPs in (0, 1) (0.1: "
+            "10%) or a number of layers (an int >= 0)"
+        )
+    check_skip(skip, "advise")
+    for flag, value in (("per_gemm", per_gemm), ("leave_one_out", leave_one_out)):
+        if not isinstance(value, bool):
+            raise TypeError(f"advise: {flag}={value!r} must be True or False")
+    for what, value in (("seed", seed), ("train_steps", train_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"advise: {what}={value!r} must be an int >= 0")
+    seed_list_of(seeds, "advise")
+    return data, int(budget) if isinstance(budget, numbers.Integral) else float(budget)
+
+
+def _gain(everything: float, without: float) -> float:
+    """How much keeping a layer removes from the all-emulated error: infinite when only
+    it made the error infinite, none when the error stays infinite without it."""
+    if math.isinf(everything):
+        return 0.0 if math.isinf(without) else math.inf
+    return everything - without
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
 def _zero() -> Any:
@@ -429,7 +505,10 @@ def _spearman(a: list[float], b: list[float]) -> float | None:
             i = j + 1
         return r
 
-    ra, rb = ranks(a), ranks(b)
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if not (math.isnan(x) or math.isnan(y))]
+    if len(pairs) < 3:
+        return None
+    ra, rb = ranks([x for x, _ in pairs]), ranks([y for _, y in pairs])
     ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
     va = sum((x - ma) ** 2 for x in ra)
@@ -442,10 +521,11 @@ def _recommend(
     keep: list[str],
     error: float,
     operands: dict[str, dict[str, float]],
-    recipe: EmulationRecipe,
+    recipe: str,
 ) -> str:
-    """The layer's verdict in audit's words (``keep in bf16``, ``... safe``), with the
-    measurement behind it: the gradient SQNR alone and the worst operand's losses."""
+    """The layer's verdict in audit's words (``keep in high precision``, ``... safe``),
+    with the measurement behind it: the gradient SQNR alone and the worst operand's
+    losses."""
     worst = ""
     if operands:
         op, st = max(operands.items(), key=lambda kv: kv[1]["underflow"] + kv[1]["saturation"])
@@ -453,15 +533,28 @@ def _recommend(
         if lost > 0:
             kind = "underflow" if st["underflow"] >= st["saturation"] else "saturation"
             worst = f"; {op} loses {lost:.2%} of values ({kind})"
-    what = f"gradient SQNR {_db(error):.1f} dB with only it emulated{worst}"
+    what = f"gradient SQNR {_dbs(error)} with only it emulated{worst}"
     if name in keep:
-        return f"keep in bf16 (the plan): {what}"
-    return f"{_recipe_name(recipe)} safe at this budget: {what}"
+        return f"keep in high precision (the plan): {what}"
+    return f"{recipe} safe at this budget: {what}"
+
+
+_PRESETS = ("nvfp4_training", "nvfp4", "mxfp8", "hybrid_block", "hybrid_tensorwise",
+            "hybrid_rowwise", "torchao_rowwise", "deepseek_v3", "deepgemm")  # fmt: skip
 
 
 def _recipe_name(recipe: EmulationRecipe) -> str:
+    """The preset ``recipe`` equals (``"nvfp4_training"``), else its operand recipe's
+    class with "custom" (``"custom MX"``)."""
+    for preset in _PRESETS:
+        try:
+            if getattr(EmulationRecipe, preset)() == recipe:
+                return preset
+        except (TypeError, ValueError):  # a recipe whose fields do not compare
+            break
     ops = recipe.operands()
-    return type(ops["fprop_input"]).__name__ if ops["fprop_input"] is not None else repr(recipe)
+    first = next((v for v in ops.values() if v is not None), None)
+    return f"custom {type(first).__name__}" if first is not None else "custom"
 
 
 def _notes(recipe: EmulationRecipe) -> tuple[str, ...]:
@@ -488,14 +581,40 @@ class _Runner:
     def __init__(self, model: nn.Module, batches: list[Any], loss_fn: Any, seed: int) -> None:
         self.model, self.batches, self.loss_fn, self.seed = model, batches, loss_fn, seed
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.devices = sorted({p.device.index or 0 for p in self.params if p.device.type == "cuda"})
+        self.devices = _cuda_devices(model)
+        self.warned = False
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return batch_loss(self.loss_fn, self.model, batch, "advise")
+        out = self.model(**batch) if isinstance(batch, dict) else self.model(batch)
+        loss, own = output_loss(out, "advise")
+        if not own and not self.warned:
+            self.warned = True
+            warnings.warn(
+                "advise: the model returned no loss (a Hugging Face model given no labels?): "
+                "ranking on the mean of its output, which says little of training; put "
+                "labels in the batches or pass loss_fn=...",
+                stacklevel=4,
+            )
+        return loss
 
     def one(self, i: int, batch: Any) -> tuple[float, torch.Tensor]:
         with torch.random.fork_rng(devices=self.devices):
             torch.manual_seed(self.seed + i)
             for p in self.params:
                 p.grad = None
-            loss = batch_loss(self.loss_fn, self.model, batch)
+            loss = self.loss(batch)
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"advise: the loss of batch {i} has shape {tuple(loss.shape)}; loss_fn "
+                    "must return one number (reduce it: .mean())"
+                )
+            if not loss.requires_grad:
+                raise ValueError(
+                    f"advise: the loss of batch {i} does not require grad (detached, under "
+                    "no_grad, or no parameter requires grad): nothing can be measured"
+                )
             loss.backward()  # type: ignore[no-untyped-call]
         grads = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
@@ -506,7 +625,29 @@ class _Runner:
         return float(loss.detach()), torch.cat(grads) if grads else torch.zeros(0)
 
     def reference(self) -> list[tuple[float, torch.Tensor]]:
-        return [self.one(i, b) for i, b in enumerate(self.batches)]
+        """The high-precision loss and gradient per batch; an error naming the batch
+        when the model cannot run it or its loss or gradient is already non-finite."""
+        out = []
+        for i, b in enumerate(self.batches):
+            try:
+                got = self.one(i, b)
+            except (RuntimeError, TypeError, IndexError, KeyError, AttributeError) as e:
+                if hasattr(e, "add_note"):
+                    e.add_note(
+                        f"advise: raised by the high-precision pass on batch {i}: each batch "
+                        "is given to loss_fn(model, batch), or, without loss_fn, to the "
+                        "model (a dict as keywords); pass loss_fn=... for any other call"
+                    )
+                raise
+            if not math.isfinite(got[0]) or not bool(torch.isfinite(got[1]).all()):
+                what = "loss" if not math.isfinite(got[0]) else "gradient"
+                raise ValueError(
+                    f"advise: the high-precision {what} of batch {i} is already non-finite "
+                    "(before any emulation): nothing can be ranked against it; fix the model "
+                    "or the data first (floatguard.Guard or replay() locate where)"
+                )
+            out.append(got)
+        return out
 
     def against(self, ref: list[tuple[float, torch.Tensor]]) -> tuple[float, float, list[float]]:
         """(mean relative squared gradient error, mean loss change, the loss changes per
@@ -516,7 +657,8 @@ class _Runner:
             loss, g = self.one(i, b)
             r_loss, r = ref[i]
             denom = float(r.pow(2).sum())
-            err = float((g - r).pow(2).sum()) / denom if denom > 0 else 0.0
+            diff = float((g - r).pow(2).sum())
+            err = diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
             errors.append(err if math.isfinite(err) else math.inf)
             deltas.append(loss - r_loss)
         return sum(errors) / len(errors), sum(deltas) / len(deltas), deltas
@@ -540,13 +682,14 @@ class _Runner:
                 x = args[0].detach().reshape(-1, args[0].shape[-1])
                 wt = getattr(mod, "weight").detach()  # noqa: B009
                 seen[name] = {"x": x, "w": wt.t() if t else wt}
+                if isinstance(out, torch.Tensor) and out.requires_grad:  # dY, as backward sees it
 
-            def bwd(mod: nn.Module, gin: Any, gout: Any, name: str = name) -> None:
-                if gout[0] is not None and name in seen:
-                    seen[name]["dy"] = gout[0].detach().reshape(-1, gout[0].shape[-1])
+                    def grad(g: torch.Tensor, name: str = name) -> None:
+                        seen[name]["dy"] = g.detach().reshape(-1, g.shape[-1])
+
+                    out.register_hook(grad)  # type: ignore[no-untyped-call]
 
             handles.append(m.register_forward_hook(fwd))
-            handles.append(m.register_full_backward_hook(bwd))
         try:
             self.one(0, self.batches[0])
         finally:
@@ -561,10 +704,12 @@ class _Runner:
             }  # fmt: skip
             if "dy" in t:
                 layouts.update(dgrad_grad=t["dy"], wgrad_grad=t["dy"].t())
-            out[name] = {
-                op: _stats(ops[op], v.contiguous().float())  # type: ignore[index]
-                for op, v in layouts.items() if ops[op] is not None  # type: ignore[index]
-            }  # fmt: skip
+            with torch.random.fork_rng(devices=self.devices):  # stochastic rounding draws
+                torch.manual_seed(self.seed)
+                out[name] = {
+                    op: _stats(ops[op], v.contiguous().float())  # type: ignore[index]
+                    for op, v in layouts.items() if ops[op] is not None  # type: ignore[index]
+                }  # fmt: skip
         return out
 
 

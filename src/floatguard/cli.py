@@ -781,7 +781,11 @@ def advise_cmd(
     if recipe not in _ADVISE_RECIPES:
         raise _fail(f"--recipe {recipe!r}: use one of {', '.join(_ADVISE_RECIPES)}")
     try:
-        cap: float | int = int(budget) if budget.strip().isdigit() else float(budget)
+        cap: float | int = int(budget.strip())
+    except ValueError:
+        cap = math.nan
+    try:
+        cap = float(budget) if math.isnan(cap) else cap
     except ValueError:
         raise _fail(
             f"--budget {budget!r}: give a fraction (0.1) or a number of layers (3)"
@@ -795,7 +799,7 @@ def advise_cmd(
     model, batches, loss_fn = _load_target(target)
     try:
         advice = advise(model, batches, getattr(EmulationRecipe, recipe)(), loss_fn=loss_fn,
-                        budget=cap, train_steps=train_steps, seeds=seeds)  # fmt: skip
+                        budget=cap, train_steps=train_steps, seeds=seeds, name=recipe)  # fmt: skip
     except (ValueError, TypeError) as e:
         raise _fail(f"TARGET {target!r}: {e}") from None
     except KeyboardInterrupt:
@@ -813,18 +817,23 @@ def advise_cmd(
                 f"--log {str(log)!r}: cannot append to it ({e}); give a writable file"
             ) from None
     judged = None if observed is None or advice.expected is None else advice.expected
+    plan = advice.expected_plan
     if as_json:
         from floatguard.events import encode_value
 
         data = advice.to_dict()
         if judged is not None and observed is not None:
             data["observed"] = {"gap": observed, "expected": judged.is_expected(observed),
-                                "judgment": judged.judge(observed)}  # fmt: skip
+                                "judgment": judged.judge(observed),
+                                "judgment_with_the_plan": None if plan is None
+                                else plan.judge(observed)}  # fmt: skip
         print(json.dumps(encode_value(data), allow_nan=False))
         return
     _out.print(escape(advice.summary()))
     if judged is not None and observed is not None:
-        _out.print(escape(judged.judge(observed)))
+        _out.print(escape("against the recipe as given: " + judged.judge(observed)))
+        if plan is not None:
+            _out.print(escape("against the plan: " + plan.judge(observed)))
 
 
 def _audit_html(target: str, keys: list[str], rows: list[Any], report: Any) -> str:

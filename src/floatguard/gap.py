@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from floatguard.batch_loss import batch_loss, check_loss_fn
-from floatguard.emulation import EmulationRecipe, emulate, is_emulated, restore
+from floatguard.emulation import EmulationRecipe, check_skip, emulate, is_emulated, restore
 
 __all__ = ["ExpectedGap", "expected_gap"]
 
@@ -52,13 +52,15 @@ class ExpectedGap:
     changes of one forward pass per batch, the cheap stand-in :func:`floatguard.advise`
     gives without ``train_steps``; ``seeds`` then holds the seed the passes ran under).
     ``mean``, ``spread`` (sample standard deviation; 0 for one value), ``low`` and
-    ``high`` summarize ``gaps``; ``reference``: the high-precision held-out losses."""
+    ``high`` summarize ``gaps``; ``reference``: the high-precision held-out losses;
+    ``config``: what was emulated ("every candidate emulated", "the plan", ...)."""
 
     basis: str
     steps: int
     seeds: tuple[int, ...]
     gaps: tuple[float, ...]
     reference: tuple[float, ...] = ()
+    config: str = ""
 
     @property
     def mean(self) -> float:
@@ -79,9 +81,11 @@ class ExpectedGap:
 
     @property
     def upper(self) -> float:
-        """The largest gap still called expected: the larger of the highest gap seen and
-        the mean plus three spreads (few seeds estimate the spread roughly)."""
-        return max(self.high, self.mean + 3 * self.spread)
+        """The largest gap still called expected: the largest of the highest gap seen,
+        the mean plus three spreads (few seeds estimate the spread roughly) and three
+        spreads above no gap at all (a gap at or below zero is no sign of a bug even
+        where the measured gaps are all negative, i.e. seed noise)."""
+        return max(self.high, self.mean + 3 * self.spread, 3 * self.spread)
 
     def is_expected(self, observed: float) -> bool:
         """Whether an observed gap (your low-precision run's loss minus your
@@ -91,24 +95,43 @@ class ExpectedGap:
 
     def judge(self, observed: float) -> str:
         """One sentence: is ``observed`` a gap the recipe's numerics explain here?"""
-        seen = f"{self:s}"
-        if not math.isfinite(float(observed)):
-            return f"a gap of {observed} is no gap: the run diverged (the recipe costs {seen})"
+        seen = f"{self:s}" + (f", {self.config}" if self.config else "")
+        observed = float(observed)
+        if not self.gaps or math.isnan(self.mean):
+            return "nothing was measured: no gap can be judged"
+        if math.isnan(observed) or observed == math.inf:
+            return (
+                f"a gap of {observed} is no gap: the low-precision run diverged (the recipe "
+                f"costs {seen})"
+            )
+        if observed == -math.inf:
+            return f"a gap of {observed} is no gap: the high-precision run diverged"
+        caveat = (
+            " (measured on one untrained step: advise(train_steps=...) or --train-steps "
+            "measures the gap after training, what a run's gap is compared with)"
+            if self.basis == "step" else ""
+        )  # fmt: skip
         if not math.isfinite(self.upper):
             return (
                 f"the emulated run itself diverged ({seen}): the recipe does not train this "
                 "model as configured; a gap of any size is not evidence of a bug"
             )
+        if observed < min(self.low, 0.0) - 3 * self.spread - 1e-12:
+            return (
+                f"a gap of {observed:+.4g} is smaller than the recipe costs here ({seen}): "
+                "the low-precision run did better than its numerics predict; no sign of a "
+                "numerics problem, but check the two runs are compared like for like" + caveat
+            )
         if observed <= self.upper:
             return (
                 f"a gap of {observed:+.4g} is expected: the recipe costs {seen} here "
-                f"(up to {self.upper:+.4g})"
+                f"(up to {self.upper:+.4g})" + caveat
             )
         return (
             f"a gap of {observed:+.4g} is larger than the recipe's numerics cost here "
             f"({seen}, up to {self.upper:+.4g}): look for what the recipe does not explain "
             "(a layer quantized that the recipe keeps in high precision, scales not reduced "
-            "across ranks, a different data order or learning rate, a kernel bug)"
+            "across ranks, a different data order or learning rate, a kernel bug)" + caveat
         )
 
     def __format__(self, spec: str) -> str:
@@ -130,6 +153,7 @@ class ExpectedGap:
             "basis": self.basis, "steps": self.steps, "seeds": list(self.seeds),
             "gaps": list(self.gaps), "reference": list(self.reference), "mean": self.mean,
             "spread": self.spread, "low": self.low, "high": self.high, "upper": self.upper,
+            "config": self.config,
         }  # fmt: skip
 
 
@@ -153,9 +177,11 @@ def expected_gap(
     ``eval_batches``: the held-out batches (default: ``batches`` themselves, which
     measures the training loss); ``skip``: as :func:`floatguard.emulate`'s (default: the
     recipe's own). ``loss_fn(model, batch)`` as :func:`floatguard.audit`'s."""
+    check_skip(skip, "expected_gap")
     return trained_gaps(
         model, batches, recipe, [skip], loss_fn=loss_fn, steps=steps, seeds=seeds,
         optimizer=optimizer, eval_batches=eval_batches,
+        configs=["the recipe's layers emulated" if skip is None else "as skip= leaves them"],
     )[0]  # fmt: skip
 
 
@@ -170,44 +196,81 @@ def trained_gaps(
     seeds: int | Sequence[int],
     optimizer: OptimizerFactory | None,
     eval_batches: Iterable[Any] | None,
+    configs: list[str],
+    who: str = "expected_gap",
 ) -> list[ExpectedGap]:
-    """One :class:`ExpectedGap` per entry of ``skips`` (each an emulate() skip), the
-    high-precision run trained once per seed for all of them."""
+    """One :class:`ExpectedGap` per entry of ``skips`` (each an emulate() skip, its
+    ``configs`` entry saying what it emulates), the high-precision run trained once per
+    seed for all of them."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected_gap: model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(recipe, EmulationRecipe):
         raise TypeError(
-            f"expected_gap: recipe must be an EmulationRecipe (e.g. EmulationRecipe.mxfp8()), "
+            f"{who}: recipe must be an EmulationRecipe (e.g. EmulationRecipe.mxfp8()), "
             f"got {type(recipe).__name__}"
         )
     if is_emulated(model):
-        raise ValueError("expected_gap: the model is already emulate()d; restore(model) first")
-    check_loss_fn(loss_fn)
+        raise ValueError(f"{who}: the model is already emulate()d; restore(model) first")
+    check_loss_fn(loss_fn, who)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"expected_gap: steps={steps!r}; give an int >= 1 (optimizer steps)")
-    if isinstance(seeds, bool) or (isinstance(seeds, int) and seeds < 1):
-        raise ValueError(f"expected_gap: seeds={seeds!r}; give an int >= 1 or a list of seeds")
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
-    if not seed_list:
-        raise ValueError("expected_gap: seeds=[]; give at least one seed")
-    data = _listed(batches, "batches")
-    held = data if eval_batches is None else _listed(eval_batches, "eval_batches")
+        raise ValueError(f"{who}: steps={steps!r}; give an int >= 1 (optimizer steps)")
+    seed_list = seed_list_of(seeds, who)
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(
+            f"{who}: optimizer={optimizer!r} must build one from the parameters, e.g. "
+            "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
+        )
+    data = listed(batches, "batches", who)
+    held = data if eval_batches is None else listed(eval_batches, "eval_batches", who)
     make = optimizer if optimizer is not None else _adamw
     refs: list[float] = []
     gaps: list[list[float]] = [[] for _ in skips]
     for seed in seed_list:
-        ref = _train(model, data, held, None, None, loss_fn, steps, seed, make)
+        ref = _train(model, data, held, None, None, loss_fn, steps, seed, make, who)
+        if not math.isfinite(ref):
+            raise ValueError(
+                f"{who}: the high-precision run diverged (a non-finite loss) with seed "
+                f"{seed}: no gap can be measured against it; lower the learning rate "
+                "(optimizer=...) or fix the model or data first"
+            )
         refs.append(ref)
         for i, skip in enumerate(skips):
-            got = _train(model, data, held, recipe, skip, loss_fn, steps, seed, make)
+            got = _train(model, data, held, recipe, skip, loss_fn, steps, seed, make, who)
             gaps[i].append(got - ref if math.isfinite(got) else math.inf)
-    return [ExpectedGap("trained", steps, tuple(seed_list), tuple(g), tuple(refs)) for g in gaps]
+    return [
+        ExpectedGap("trained", steps, tuple(seed_list), tuple(g), tuple(refs), c)
+        for g, c in zip(gaps, configs, strict=True)
+    ]
 
 
-def _listed(batches: Iterable[Any], what: str) -> list[Any]:
-    data = list(batches) if not isinstance(batches, (torch.Tensor, str, bytes)) else None
+def seed_list_of(seeds: object, who: str) -> list[int]:
+    """``seeds`` (an int n: 0..n-1; or a list of ints) as a list; a clear error else."""
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        if seeds < 1:
+            raise ValueError(f"{who}: seeds={seeds!r}; give an int >= 1 or a list of seeds")
+        return list(range(seeds))
+    if (
+        isinstance(seeds, (list, tuple))
+        and seeds
+        and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    ):
+        return [int(s) for s in seeds]
+    raise TypeError(
+        f"{who}: seeds={seeds!r}; give an int >= 1 (seeds 0..n-1) or a non-empty list of ints"
+    )
+
+
+def listed(batches: object, what: str, who: str) -> list[Any]:
+    """``batches`` as a non-empty list, or a clear error (a tensor alone is refused: it
+    would be iterated row by row)."""
+    if isinstance(batches, (torch.Tensor, str, bytes)) or not isinstance(batches, Iterable):
+        raise TypeError(
+            f"{who}: {what} must be a list of batches, got {type(batches).__name__} "
+            "(a tensor alone: [x])"
+        )
+    data = list(batches)
     if not data:
-        raise ValueError(f"expected_gap: give a non-empty list of {what} (a tensor alone: [x])")
+        raise ValueError(f"{who}: give a non-empty list of {what} (a tensor alone: [x])")
     return data
 
 
@@ -225,11 +288,11 @@ def _train(
     steps: int,
     seed: int,
     make: OptimizerFactory,
+    who: str,
 ) -> float:
     """Train a copy of ``model`` ``steps`` steps (emulated under ``recipe`` unless None),
     then its mean held-out loss in high precision; inf when a loss went non-finite."""
-    work = copy.deepcopy(model)
-    work.train(model.training)
+    work = copy.deepcopy(model)  # every submodule keeps its own train/eval mode
     params = [p for p in work.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
@@ -240,12 +303,17 @@ def _train(
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         opt = make(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"{who}: optimizer(params) returned {type(opt).__name__}, not a "
+                "torch.optim.Optimizer (e.g. lambda params: torch.optim.AdamW(params))"
+            )
         queue: list[Any] = []
         for _ in range(steps):
             if not queue:
                 queue = list(data)
                 order.shuffle(queue)
-            loss = batch_loss(loss_fn, work, queue.pop())
+            loss = batch_loss(loss_fn, work, queue.pop(), who)
             if not torch.isfinite(loss.detach()):  # a diverged run: its gap is infinite
                 return math.inf
             loss.backward()  # type: ignore[no-untyped-call]
@@ -255,6 +323,6 @@ def _train(
             restore(work)
         work.eval()
         with torch.no_grad():
-            losses = [float(batch_loss(loss_fn, work, b)) for b in held]
+            losses = [float(batch_loss(loss_fn, work, b, who)) for b in held]
     mean = statistics.fmean(losses)
     return mean if math.isfinite(mean) else math.inf

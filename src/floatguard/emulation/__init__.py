@@ -7,6 +7,7 @@ master weights; the old import paths still work, with a DeprecationWarning.)
 """
 
 from floatguard.emulation._emulate import Coverage, NothingToEmulate, is_emulated
+from floatguard.emulation._emulate import check_skip as check_skip
 from floatguard.emulation.coverage import Flops, GemmCoverage, GemmRecord, coverage
 from floatguard.emulation.fake_quant import (
     EmulatedConv,

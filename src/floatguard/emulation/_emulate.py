@@ -229,6 +229,22 @@ def _emulated_for(module: nn.Module, recipe: EmulationRecipe) -> _Emulated:
     return EmulatedLinear(module, recipe)
 
 
+def check_skip(skip: object, who: str) -> None:
+    """TypeError unless ``skip`` is None, a tuple or list of name substrings, or a
+    predicate; a string alone is named (each of its characters would be a substring)."""
+    if isinstance(skip, str):
+        raise TypeError(
+            f"{who}: skip={skip!r} is a string; give a tuple of name substrings, skip=({skip!r},)"
+        )
+    if not (skip is None or callable(skip) or (
+        isinstance(skip, (tuple, list)) and all(isinstance(s, str) for s in skip)
+    )):  # fmt: skip
+        raise TypeError(
+            f"{who}: skip={skip!r} must be None, a tuple of name substrings or a predicate "
+            "(name, module) -> bool"
+        )
+
+
 def emulate(
     model: nn.Module,
     recipe: EmulationRecipe,
@@ -279,6 +295,7 @@ def emulate(
             "submodules in their parent and cannot replace the object you hold: wrap it, "
             "e.g. model = nn.Sequential(model), then emulate(model, recipe)"
         )
+    check_skip(skip, "emulate")
     skip = (recipe.skip or ()) if skip is None else skip  # the preset's high-precision layers
     swapped: list[str] = []
     left: dict[str, list[str]] = {}

@@ -87,11 +87,17 @@ def _plot(layers: list[dict[str, Any]], keep: set[str], everything: float | None
 
     shown = layers[:_MAX_BARS]
     names = [str(la["name"]) for la in shown][::-1]
-    db = [float(la["sqnr_db"]) for la in shown][::-1]
-    finite = [d for d in db if math.isfinite(d)]
+    raw = [float(la["sqnr_db"]) for la in shown][::-1]
+    finite = [d for d in raw if math.isfinite(d)]
     cap = (max(finite) + 10.0) if finite else 100.0
-    db = [d if math.isfinite(d) else cap for d in db]  # a layer that adds no error at all
-    colors = ["#ff7f0e" if n in keep else "#1f77b4" for n in names]
+    # +inf: the layer adds no error (the longest bar); -inf: its emulation made the
+    # gradient non-finite, the most sensitive of all (no bar, red, named so)
+    db = [cap if d == math.inf else 0.0 if d == -math.inf else d for d in raw]
+    names = [n + " (non-finite)" if d == -math.inf else n for n, d in zip(names, raw, strict=True)]
+    colors = [
+        "#d62728" if d == -math.inf else "#ff7f0e" if n in keep else "#1f77b4"
+        for n, d in zip((str(la["name"]) for la in shown[::-1]), raw, strict=True)
+    ]
     fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.28 * len(shown)))
     ax.barh(range(len(shown)), db, color=colors)
     ax.set_yticks(range(len(shown)), names, fontsize=7)
@@ -99,6 +105,8 @@ def _plot(layers: list[dict[str, Any]], keep: set[str], everything: float | None
         ax.axvline(everything, color="#d62728", linestyle="--", linewidth=1,
                    label=f"every layer emulated: {everything:.1f} dB")  # fmt: skip
         ax.legend(fontsize=7, loc="lower right")
+    elif everything == -math.inf:
+        ax.set_title("every layer emulated: the gradient is non-finite", fontsize=8)
     ax.set_xlabel("gradient SQNR with only this layer emulated (dB; shorter bar: more "
                   "sensitive; orange: kept by the plan)", fontsize=8)  # fmt: skip
     ax.set_xlim(left=min(0.0, *db) if db else 0.0)
