@@ -18,6 +18,12 @@ Means and spreads (min..max) over the seeds.
 
     python benchmarks/bench_advise.py [--recipes mxfp8,hybrid_block] [--seeds 3]
         [--steps 200] [--draws 3] [--model tiny|proxy] [--lr 1e-3] [--threads 2]
+        [--plant blocks.0.attn.proj] [--oracle]
+
+``--oracle``: per candidate layer, the trained gap it closes when kept alone (every
+other layer emulated), over the seeds, how well that gap agrees with itself from seed
+to seed, and each estimator's rank agreement with it (the error alone that ranks, the
+leave-one-out gain, the one-step loss change).
 
 "noise" is the gap between two high-precision runs whose batches are drawn in another
 order: a plan's gap within it is not told apart from none.
@@ -56,9 +62,26 @@ def _fit(order: list[str], share: dict[str, float], budget: float) -> list[str]:
     return keep
 
 
-def _train(cfg, init, recipe, keep, names, steps, seed, held, lr, data_seed=None) -> float:  # type: ignore[no-untyped-def]
+def _plant(model: torch.nn.Module, name: str | None) -> torch.nn.Module:
+    """A layer made hard for a block-scaled recipe, the same in every configuration: the
+    first channel of every 16 of its input is a constant 60, so in a 1x16 block (NVFP4)
+    it sets the scale and the signal beside it flushes to zero."""
+    if name:
+
+        def hook(m: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+            x = args[0].clone()
+            x[..., ::16] = 60.0
+            return (x,)
+
+        dict(model.named_modules())[name].register_forward_pre_hook(hook)
+    return model
+
+
+def _train(
+    cfg, init, recipe, keep, names, steps, seed, held, lr, data_seed=None, plant=None
+) -> float:  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = _plant(GPT(cfg), plant)
     model.load_state_dict(init)
     emulated = recipe is not None and len(keep) < len(names)
     if emulated:
@@ -79,6 +102,55 @@ def _train(cfg, init, recipe, keep, names, steps, seed, held, lr, data_seed=None
         return statistics.fmean(float(lm(model, b)) for b in held)
 
 
+def _oracle(args: argparse.Namespace, cfg: GPTConfig, held: list) -> None:  # type: ignore[type-arg]
+    """Is the estimator right layer by layer? For each candidate, the trained gap it
+    closes kept alone (every other layer emulated), against what advise measured."""
+    from itertools import combinations
+
+    from floatguard.advise import _spearman
+
+    for rname in args.recipes.split(","):
+        recipe = getattr(EmulationRecipe, rname)()
+        truth: dict[int, dict[str, float]] = {}
+        est: dict[str, dict[int, dict[str, float]]] = {"alone": {}, "gain": {}, "loss": {}}
+        for seed in range(args.seeds):
+            torch.manual_seed(seed)
+            model = _plant(GPT(cfg), args.plant)
+            init = {k: v.clone() for k, v in model.state_dict().items()}
+            gen = torch.Generator().manual_seed(seed)
+            probe = [synthetic_batch(cfg, 16, generator=gen) for _ in range(4)]
+            a = advise(model, probe, recipe, loss_fn=_loss(cfg), budget=1, seed=seed)
+            names = list(a.ranking)
+            run = (args.steps, seed, held, args.lr, None, args.plant)
+            ref = _train(cfg, init, None, [], [], *run)
+            every = _train(cfg, init, recipe, [], names, *run) - ref
+            truth[seed] = {n: every - (_train(cfg, init, recipe, [n], names, *run) - ref)
+                           for n in names}  # fmt: skip
+            est["alone"][seed] = {la.name: la.error for la in a.layers}
+            est["gain"][seed] = {la.name: la.gain or 0.0 for la in a.layers}
+            est["loss"][seed] = {la.name: abs(la.loss_delta) for la in a.layers}
+            print(f"#   {rname} seed {seed}: everything emulated {every:+.4f}", flush=True)
+        seeds = sorted(truth)
+        names = list(truth[seeds[0]])
+        mean = {n: statistics.fmean(truth[s][n] for s in seeds) for n in names}
+        print(f"\n{rname}: the trained gap each layer closes kept alone (mean, min..max over "
+              "seeds), and its FLOP share")  # fmt: skip
+        for n in sorted(names, key=lambda n: -mean[n]):
+            vals = [truth[s][n] for s in seeds]
+            print(f"  {n}: {mean[n]:+.4f} ({min(vals):+.4f}..{max(vals):+.4f})")
+        pairs = [_spearman([truth[x][n] for n in names], [truth[y][n] for n in names])
+                 for x, y in combinations(seeds, 2)]  # fmt: skip
+        finite = [p for p in pairs if p is not None]
+        print(f"  seed-to-seed rank agreement of that gap (Spearman, mean of pairs): "
+              f"{statistics.fmean(finite):+.2f} "
+              f"({min(finite):+.2f}..{max(finite):+.2f})")  # fmt: skip
+        for key, by_seed in est.items():
+            m = {n: statistics.fmean(by_seed[s][n] for s in seeds) for n in names}
+            rho = _spearman([m[n] for n in names], [mean[n] for n in names])
+            said = "undefined" if rho is None else f"{rho:+.2f}"
+            print(f"  estimator {key!r} (mean over seeds) vs the trained gap: Spearman {said}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipes", default="mxfp8,hybrid_block")
@@ -88,6 +160,9 @@ def main() -> None:
     ap.add_argument("--model", choices=("tiny", "proxy"), default="tiny")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--plant", default=None, help="a layer made hard for 1x16 blocks")
+    ap.add_argument("--oracle", action="store_true",
+                    help="per layer: the trained gap it closes alone, vs estimators")  # fmt: skip
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     cfg = TINY if args.model == "tiny" else PROXY
@@ -95,21 +170,27 @@ def main() -> None:
     g = torch.Generator().manual_seed(99)
     held = [synthetic_batch(cfg, 16, generator=g) for _ in range(8)]
     print(f"# bench_advise: {args.model} GPT {cfg}, {args.steps} steps, AdamW lr {args.lr}, "
+          f"planted: {args.plant}, "
           f"seeds 0..{args.seeds - 1}, {args.draws} random draws, "
           f"torch {torch.__version__}")  # fmt: skip
+    if args.oracle:
+        _oracle(args, cfg, held)
+        return
     rows: dict[tuple[str, str], list[float]] = {}
     t0 = time.time()
     for rname in args.recipes.split(","):
         recipe = getattr(EmulationRecipe, rname)()
         for seed in range(args.seeds):
             torch.manual_seed(seed)
-            model = GPT(cfg)
+            model = _plant(GPT(cfg), args.plant)
             init = {k: v.clone() for k, v in model.state_dict().items()}
             gen = torch.Generator().manual_seed(seed)
             probe = [synthetic_batch(cfg, 16, generator=gen) for _ in range(4)]
-            ref = _train(cfg, init, None, [], [], args.steps, seed, held, args.lr)
+            ref = _train(cfg, init, None, [], [], args.steps, seed, held, args.lr, None, args.plant)
             # the noise floor: high precision again, the batches drawn in another order
-            other = _train(cfg, init, None, [], [], args.steps, seed, held, args.lr, 5000 + seed)
+            other = _train(
+                cfg, init, None, [], [], args.steps, seed, held, args.lr, 5000 + seed, args.plant
+            )
             rows.setdefault((rname, "noise: fp32, other batches"), []).append(other - ref)
             plans = {}
             for budget in (0.1, 0.2):
@@ -126,7 +207,19 @@ def main() -> None:
             gaps_of: dict[frozenset[str], float] = {}  # a plan met twice is trained once
             for keep in [[], *(k for ks in plans.values() for k in ks)]:
                 if frozenset(keep) not in gaps_of:
-                    low = _train(cfg, init, recipe, keep, names, args.steps, seed, held, args.lr)
+                    low = _train(
+                        cfg,
+                        init,
+                        recipe,
+                        keep,
+                        names,
+                        args.steps,
+                        seed,
+                        held,
+                        args.lr,
+                        None,
+                        args.plant,
+                    )
                     gaps_of[frozenset(keep)] = low - ref
             every = gaps_of[frozenset()]
             rows.setdefault((rname, "everything emulated"), []).append(every)
