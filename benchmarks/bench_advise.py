@@ -107,7 +107,7 @@ def _oracle(args: argparse.Namespace, cfg: GPTConfig, held: list) -> None:  # ty
     closes kept alone (every other layer emulated), against what advise measured."""
     from itertools import combinations
 
-    from floatguard.advise import _spearman
+    from floatguard.advise.plan import spearman as _spearman
 
     for rname in args.recipes.split(","):
         recipe = getattr(EmulationRecipe, rname)()

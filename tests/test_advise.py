@@ -210,7 +210,7 @@ def test_the_plan_is_the_best_set_within_the_budget() -> None:
     import itertools
     import random
 
-    from floatguard.advise import _plan
+    from floatguard.advise.plan import plan as _plan
 
     rng = random.Random(5)
     for _ in range(200):
