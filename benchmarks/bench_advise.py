@@ -1,8 +1,10 @@
 """Is floatguard.advise's plan right? Held-out loss after training, against high precision.
 
-For each recipe and seed: the model is built, ``advise`` runs on 4 training batches of the
-initial model (as a user would before training), then the model is trained from that
-same initialization for ``--steps`` steps (AdamW, the demo's synthetic task) in:
+For each recipe and seed: the model is built, ``advise`` runs on 4 training batches with
+``warmup_steps=--warmup`` (a copy trained that many steps in high precision on them is
+measured: the initial model's sensitivities do not predict training's, see --oracle),
+then the model is trained from the same initialization for ``--steps`` steps (AdamW,
+the demo's synthetic task) in:
 
 - high precision (fp32 on this CPU: the stand-in for BF16, the reference);
 - every GEMM layer emulated;
@@ -18,7 +20,7 @@ Means and spreads (min..max) over the seeds.
 
     python benchmarks/bench_advise.py [--recipes mxfp8,hybrid_block] [--seeds 3]
         [--steps 200] [--draws 3] [--model tiny|proxy] [--lr 1e-3] [--threads 2]
-        [--plant blocks.0.attn.proj] [--oracle]
+        [--plant blocks.0.attn.proj] [--oracle] [--warmup 30]
 
 ``--oracle``: per candidate layer, the trained gap it closes when kept alone (every
 other layer emulated), over the seeds, how well that gap agrees with itself from seed
@@ -119,7 +121,8 @@ def _oracle(args: argparse.Namespace, cfg: GPTConfig, held: list) -> None:  # ty
             init = {k: v.clone() for k, v in model.state_dict().items()}
             gen = torch.Generator().manual_seed(seed)
             probe = [synthetic_batch(cfg, 16, generator=gen) for _ in range(4)]
-            a = advise(model, probe, recipe, loss_fn=_loss(cfg), budget=1, seed=seed)
+            a = advise(model, probe, recipe, loss_fn=_loss(cfg), budget=1, seed=seed,
+                       warmup_steps=args.warmup)  # fmt: skip
             names = list(a.ranking)
             run = (args.steps, seed, held, args.lr, None, args.plant)
             ref = _train(cfg, init, None, [], [], *run)
@@ -161,6 +164,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--plant", default=None, help="a layer made hard for 1x16 blocks")
+    ap.add_argument("--warmup", type=int, default=30, help="advise's warmup_steps")
     ap.add_argument("--oracle", action="store_true",
                     help="per layer: the trained gap it closes alone, vs estimators")  # fmt: skip
     args = ap.parse_args()
@@ -170,7 +174,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(99)
     held = [synthetic_batch(cfg, 16, generator=g) for _ in range(8)]
     print(f"# bench_advise: {args.model} GPT {cfg}, {args.steps} steps, AdamW lr {args.lr}, "
-          f"planted: {args.plant}, "
+          f"planted: {args.plant}, advise's warm-up: {args.warmup} steps, "
           f"seeds 0..{args.seeds - 1}, {args.draws} random draws, "
           f"torch {torch.__version__}")  # fmt: skip
     if args.oracle:
@@ -194,7 +198,8 @@ def main() -> None:
             rows.setdefault((rname, "noise: fp32, other batches"), []).append(other - ref)
             plans = {}
             for budget in (0.1, 0.2):
-                a = advise(model, probe, recipe, loss_fn=_loss(cfg), budget=budget, seed=seed)
+                a = advise(model, probe, recipe, loss_fn=_loss(cfg), budget=budget, seed=seed,
+                           warmup_steps=args.warmup)  # fmt: skip
                 names = list(a.ranking)
                 share = {la.name: la.share for la in a.layers}
                 order = [n for n, _ in model.named_modules() if n in share]

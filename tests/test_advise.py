@@ -82,9 +82,13 @@ def test_a_layer_whose_input_underflows_in_fp4_ranks_first() -> None:
 
 def test_an_outlier_channel_that_saturates_e4m3_ranks_first() -> None:
     recipe = EmulationRecipe(FLOOR, FLOOR, FLOOR)
-    calm = advise(_net(), _data(), recipe, loss_fn=loss_fn, per_gemm=False)
-    assert calm.ranking[0] != "fc3"
-    a = advise(_net("saturate"), _data(), recipe, loss_fn=loss_fn)
+    calm = advise(_net(), _data(), recipe, loss_fn=loss_fn, per_gemm=False, leave_one_out=False)
+    assert calm.ranking[0] != "fc3"  # by the error alone, without the plant another leads
+    alone = advise(_net("saturate"), _data(), recipe, loss_fn=loss_fn, per_gemm=False,
+                   leave_one_out=False)  # fmt: skip
+    assert alone.ranking[0] == "fc3"
+    assert alone.layers[0].error > 2 * {la.name: la.error for la in calm.layers}["fc3"]
+    a = advise(_net("saturate"), _data(), recipe, loss_fn=loss_fn)  # by the gain
     assert a.ranking[0] == "fc3"
     fc3 = a.layers[0]
     # one channel in each 32-element block of every row is clamped, nothing else
@@ -504,3 +508,35 @@ def test_losses_that_cannot_be_measured_are_named() -> None:
     with pytest.raises(TypeError, match=r"optimizer\(params\) returned NoneType"):
         advise(_net(), _data(1), recipe, loss_fn=loss_fn, budget=1, train_steps=1, seeds=1,
                optimizer=lambda p: None)  # type: ignore[arg-type,return-value]  # fmt: skip
+
+
+def test_a_warm_up_measures_a_trained_copy_and_the_gain_ranks() -> None:
+    import copy
+    import random
+
+    model = _net("underflow")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recipe = EmulationRecipe.nvfp4()
+    warm = advise(model, _data(2), recipe, loss_fn=loss_fn, budget=1, seed=3, warmup_steps=4)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    trained = copy.deepcopy(model)  # the documented protocol: AdamW lr 1e-3, seeded order
+    order, queue = random.Random(3), []
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        for _ in range(4):
+            if not queue:
+                queue = list(_data(2))
+                order.shuffle(queue)
+            loss_fn(trained, queue.pop()).backward()
+            opt.step()
+            opt.zero_grad()
+    for p in trained.parameters():
+        p.grad = None
+    by_hand = advise(trained, _data(2), recipe, loss_fn=loss_fn, budget=1, seed=3)
+    got, want = warm.to_dict(), by_hand.to_dict()
+    assert got.pop("passes") == want.pop("passes") + 4 and got == want
+    gains = {la.name: la.gain for la in warm.layers}
+    assert list(warm.ranking) == sorted(gains, key=lambda n: -gains[n])  # type: ignore[operator]
+    with pytest.raises(TypeError, match="warmup_steps=-1"):
+        advise(model, _data(1), recipe, loss_fn=loss_fn, warmup_steps=-1)

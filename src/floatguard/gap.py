@@ -278,6 +278,57 @@ def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+def trained_copy(
+    model: nn.Module,
+    data: list[Any],
+    recipe: EmulationRecipe | None,
+    skip: Skip,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    steps: int,
+    seed: int,
+    make: OptimizerFactory | None,
+    who: str,
+) -> nn.Module | None:
+    """A copy of ``model`` trained ``steps`` optimizer steps on ``data`` (cycled,
+    reshuffled every pass by ``random.Random(seed)``, torch's RNG forked and seeded with
+    ``seed``), emulated under ``recipe`` unless None (and restored after); None when a
+    loss went non-finite. ``model`` and the RNG are left as they were."""
+    work = copy.deepcopy(model)  # every submodule keeps its own train/eval mode
+    params = [p for p in work.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    if recipe is not None:
+        emulate(work, recipe, skip=(recipe.skip or ()) if skip is None else skip)
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    order = random.Random(seed)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            opt = (make or _adamw)(params)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(
+                    f"{who}: optimizer(params) returned {type(opt).__name__}, not a "
+                    "torch.optim.Optimizer (e.g. lambda params: torch.optim.AdamW(params))"
+                )
+            queue: list[Any] = []
+            for _ in range(steps):
+                if not queue:
+                    queue = list(data)
+                    order.shuffle(queue)
+                loss = batch_loss(loss_fn, work, queue.pop(), who)
+                if not torch.isfinite(loss.detach()):  # a diverged run
+                    return None
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = None
+    finally:
+        if recipe is not None:
+            restore(work)
+    return work
+
+
 def _train(
     model: nn.Module,
     data: list[Any],
@@ -290,39 +341,13 @@ def _train(
     make: OptimizerFactory,
     who: str,
 ) -> float:
-    """Train a copy of ``model`` ``steps`` steps (emulated under ``recipe`` unless None),
-    then its mean held-out loss in high precision; inf when a loss went non-finite."""
-    work = copy.deepcopy(model)  # every submodule keeps its own train/eval mode
-    params = [p for p in work.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    if recipe is not None:
-        emulate(work, recipe, skip=(recipe.skip or ()) if skip is None else skip)
-    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-    order = random.Random(seed)
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        opt = make(params)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
-                f"{who}: optimizer(params) returned {type(opt).__name__}, not a "
-                "torch.optim.Optimizer (e.g. lambda params: torch.optim.AdamW(params))"
-            )
-        queue: list[Any] = []
-        for _ in range(steps):
-            if not queue:
-                queue = list(data)
-                order.shuffle(queue)
-            loss = batch_loss(loss_fn, work, queue.pop(), who)
-            if not torch.isfinite(loss.detach()):  # a diverged run: its gap is infinite
-                return math.inf
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if recipe is not None:
-            restore(work)
-        work.eval()
-        with torch.no_grad():
-            losses = [float(batch_loss(loss_fn, work, b, who)) for b in held]
+    """:func:`trained_copy`'s mean held-out loss, in high precision, in eval mode, without
+    gradients; inf when a loss went non-finite."""
+    work = trained_copy(model, data, recipe, skip, loss_fn, steps, seed, make, who)
+    if work is None:
+        return math.inf
+    work.eval()
+    with torch.no_grad():
+        losses = [float(batch_loss(loss_fn, work, b, who)) for b in held]
     mean = statistics.fmean(losses)
     return mean if math.isfinite(mean) else math.inf
