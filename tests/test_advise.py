@@ -510,7 +510,7 @@ def test_losses_that_cannot_be_measured_are_named() -> None:
                optimizer=lambda p: None)  # type: ignore[arg-type,return-value]  # fmt: skip
 
 
-def test_a_warm_up_measures_a_trained_copy_and_the_gain_ranks() -> None:
+def test_a_warm_up_measures_a_trained_copy_and_the_error_alone_ranks() -> None:
     import copy
     import random
 
@@ -536,7 +536,7 @@ def test_a_warm_up_measures_a_trained_copy_and_the_gain_ranks() -> None:
     by_hand = advise(trained, _data(2), recipe, loss_fn=loss_fn, budget=1, seed=3)
     got, want = warm.to_dict(), by_hand.to_dict()
     assert got.pop("passes") == want.pop("passes") + 4 and got == want
-    gains = {la.name: la.gain for la in warm.layers}
-    assert list(warm.ranking) == sorted(gains, key=lambda n: -gains[n])  # type: ignore[operator]
+    errors = {la.name: la.error for la in warm.layers}
+    assert list(warm.ranking) == sorted(errors, key=lambda n: -errors[n])
     with pytest.raises(TypeError, match="warmup_steps=-1"):
         advise(model, _data(1), recipe, loss_fn=loss_fn, warmup_steps=-1)
