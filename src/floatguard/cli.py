@@ -764,6 +764,13 @@ def advise_cmd(
         ),
     ] = 0,
     seeds: Annotated[int, typer.Option(help="Seeds of the expected gap's training.")] = 3,
+    warmup_steps: Annotated[
+        int,
+        typer.Option(
+            help="Measure a copy trained this many high-precision steps first (a fresh "
+            "model's sensitivities do not predict training's; 0 for a checkpoint)."
+        ),
+    ] = 0,
     observed: Annotated[
         float | None,
         typer.Option(help="A loss gap you measured (low precision minus BF16): is it expected?"),
@@ -794,12 +801,15 @@ def advise_cmd(
         raise _fail(f"--train-steps {train_steps}: give 0 (no training) or a number of steps")
     if seeds < 1:
         raise _fail(f"--seeds {seeds}: give at least 1")
+    if warmup_steps < 0:
+        raise _fail(f"--warmup-steps {warmup_steps}: give 0 (a checkpoint) or a number of steps")
     if observed is not None and not math.isfinite(observed):
         raise _fail(f"--observed {observed}: give a finite loss gap (e.g. 0.02)")
     model, batches, loss_fn = _load_target(target)
     try:
         advice = advise(model, batches, getattr(EmulationRecipe, recipe)(), loss_fn=loss_fn,
-                        budget=cap, train_steps=train_steps, seeds=seeds, name=recipe)  # fmt: skip
+                        budget=cap, train_steps=train_steps, seeds=seeds, name=recipe,
+                        warmup_steps=warmup_steps)  # fmt: skip
     except (ValueError, TypeError) as e:
         raise _fail(f"TARGET {target!r}: {e}") from None
     except KeyboardInterrupt:
