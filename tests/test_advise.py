@@ -9,6 +9,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -155,7 +156,8 @@ def test_advise_reproduces_and_leaves_the_model_as_it_was() -> None:
         ({"per_gemm": "no"}, TypeError, "per_gemm='no' must be True or False"),
         ({"seeds": 0}, ValueError, "seeds=0"),
         ({"seeds": [1.5]}, TypeError, "seeds=[1.5]"),
-        ({"train_steps": -1}, TypeError, "train_steps=-1"),
+        ({"train_steps": -1}, ValueError, "train_steps=-1"),
+        ({"warmup_steps": 1.5}, TypeError, "warmup_steps=1.5"),
         ({"batches": None}, TypeError, "batches must be a list of batches, got NoneType"),
         ({"budget": -1}, ValueError, "budget=-1"),
         ({"batches": []}, ValueError, "non-empty list of batches"),
@@ -252,9 +254,17 @@ def test_the_expected_gap_judges_a_gap() -> None:
     assert e.is_expected(0.025) and e.is_expected(-0.01)
     assert "is expected" in e.judge(0.025)
     assert not e.is_expected(0.05) and "larger than the recipe's numerics cost" in e.judge(0.05)
-    assert not e.is_expected(math.nan) and "diverged" in e.judge(math.nan)
-    diverged = ExpectedGap("trained", 10, (0,), (math.inf,))
-    assert not diverged.is_expected(0.0) and "emulated run itself diverged" in diverged.judge(0)
+    assert not e.is_expected(math.nan) and "computed NaN" in e.judge(math.nan)
+    assert not e.is_expected(math.inf) and "low-precision run diverged" in e.judge(math.inf)
+    diverged = ExpectedGap("trained", 10, (0, 1), (0.02, math.inf))  # one emulated run
+    for gap in (0.0, 5.0, math.inf):  # the recipe explains any gap, a divergence too
+        assert diverged.is_expected(gap) and "emulated run itself diverged in 1 of 2" in (
+            diverged.judge(gap)
+        )
+    assert str(diverged).startswith("diverged in 1 of 2; the others +0.02")
+    assert e.is_expected(torch.tensor(0.01)) is True and e.is_expected(np.float32(0.5)) is False
+    with pytest.raises(TypeError, match="observed gap must be a number"):
+        e.judge("a")  # type: ignore[arg-type]
     assert "over 3 seed(s) after 10 step(s)" in str(e)
 
 
@@ -396,8 +406,9 @@ def test_the_cli_judges_an_observed_gap_and_logs(
     code, out, err = _cli(capsys, "advise_target2:build", "--recipe", "nvfp4", "--budget", "1",
                           "--observed", "0")  # fmt: skip
     assert code == 0 and "against the recipe as given: a gap of +0 is expected" in out
-    assert "against the plan: a gap of +0" in out and "measured on one untrained step" in out
-    for bad, words in ((["--seeds", "0"], "--seeds 0"), (["--train-steps", "-2"],
+    assert "against the plan: a gap of +0" in out and "measured on one step, untrained" in out
+    for bad, words in ((["--budget", "0.0"], "--budget '0.0'"), (["--seeds", "0"], "--seeds 0"),
+                       (["--train-steps", "-2"],
                        "--train-steps -2"), (["--observed", "nan"], "--observed nan"),
                        (["--log", str(tmp_path)], "--log")):  # fmt: skip
         code, out, err = _cli(capsys, "advise_target2:build", "--budget", "1", *bad)
@@ -535,8 +546,33 @@ def test_a_warm_up_measures_a_trained_copy_and_the_error_alone_ranks() -> None:
         p.grad = None
     by_hand = advise(trained, _data(2), recipe, loss_fn=loss_fn, budget=1, seed=3)
     got, want = warm.to_dict(), by_hand.to_dict()
-    assert got.pop("passes") == want.pop("passes") + 4 and got == want
+    assert got.pop("passes") == want.pop("passes") + 4
+    for key in ("expected", "expected_plan"):  # one step of the warmed copy, said so
+        assert (got[key].pop("steps"), want[key].pop("steps")) == (4, 0)
+    assert got == want
     errors = {la.name: la.error for la in warm.layers}
     assert list(warm.ranking) == sorted(errors, key=lambda n: -errors[n])
-    with pytest.raises(TypeError, match="warmup_steps=-1"):
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
         advise(model, _data(1), recipe, loss_fn=loss_fn, warmup_steps=-1)
+
+
+def test_training_needs_a_real_loss_and_something_to_train() -> None:
+    from floatguard import expected_gap
+
+    recipe = EmulationRecipe.mxfp8()
+    no_loss = [torch.randn(8, 32)]  # the model returns logits, no loss of its own
+    with pytest.raises(ValueError, match="returned no loss of its own"):
+        expected_gap(_net(), no_loss, recipe, steps=2, seeds=1)
+    with pytest.raises(ValueError, match="returned no loss of its own"):
+        advise(_net(), no_loss, recipe, budget=1, warmup_steps=2)
+    frozen = _net().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter of the model requires grad"):
+        expected_gap(frozen, _data(1), recipe, loss_fn=loss_fn, steps=2, seeds=1)
+    warm = advise(_net(), _data(1), recipe, loss_fn=loss_fn, budget=np.int64(1),
+                  warmup_steps=np.int64(2), seed=np.int64(1), per_gemm=False,
+                  leave_one_out=False)  # type: ignore[arg-type]  # fmt: skip
+    assert warm.expected is not None and "one step after a 2-step warm-up" in str(warm.expected)
+    assert "measured on one step:" in warm.expected.judge(0.0)
+    everything = advise(_net(), _data(1), recipe, loss_fn=loss_fn, budget=99,
+                        per_gemm=False, leave_one_out=False)  # fmt: skip
+    assert "nothing is left to emulate" in everything.summary()

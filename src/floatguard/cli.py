@@ -794,9 +794,12 @@ def advise_cmd(
     try:
         cap = float(budget) if math.isnan(cap) else cap
     except ValueError:
+        cap = math.nan
+    if not ((isinstance(cap, int) and cap >= 0) or 0 < cap < 1):
         raise _fail(
-            f"--budget {budget!r}: give a fraction (0.1) or a number of layers (3)"
-        ) from None
+            f"--budget {budget!r}: give a fraction of GEMM FLOPs in (0, 1) (0.1) or a number "
+            "of layers (3)"
+        )
     if train_steps < 0:
         raise _fail(f"--train-steps {train_steps}: give 0 (no training) or a number of steps")
     if seeds < 1:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard.batch_loss import batch_loss, check_loss_fn
+from floatguard.batch_loss import batch_loss, check_loss_fn, output_loss
 from floatguard.emulation import EmulationRecipe, check_skip, emulate, is_emulated, restore
 
 __all__ = ["ExpectedGap", "expected_gap"]
@@ -87,61 +87,84 @@ class ExpectedGap:
         where the measured gaps are all negative, i.e. seed noise)."""
         return max(self.high, self.mean + 3 * self.spread, 3 * self.spread)
 
+    @property
+    def diverged(self) -> int:
+        """How many of the emulated runs diverged (an infinite gap)."""
+        return sum(1 for g in self.gaps if g == math.inf)
+
     def is_expected(self, observed: float) -> bool:
         """Whether an observed gap (your low-precision run's loss minus your
-        high-precision run's, same data) is no larger than :attr:`upper`. A non-finite
-        gap (a run that diverged) is never expected."""
-        return math.isfinite(observed) and math.isfinite(self.upper) and observed <= self.upper
+        high-precision run's, same data) is one the recipe's numerics explain: no larger
+        than :attr:`upper`, or any gap at all (a diverged run too) when the emulated run
+        itself diverged. Never for NaN or -inf (the high-precision run diverged)."""
+        x = _observed(observed)
+        if math.isnan(x) or x == -math.inf or not self.gaps:
+            return False
+        return bool(self.diverged) or x <= self.upper
 
     def judge(self, observed: float) -> str:
         """One sentence: is ``observed`` a gap the recipe's numerics explain here?"""
-        seen = f"{self:s}" + (f", {self.config}" if self.config else "")
-        observed = float(observed)
-        if not self.gaps or math.isnan(self.mean):
+        x = _observed(observed)
+        where = f" ({self.config})" if self.config else ""
+        if not self.gaps or (math.isnan(self.mean) and not self.diverged):
             return "nothing was measured: no gap can be judged"
-        if math.isnan(observed) or observed == math.inf:
+        if math.isnan(x):
+            return "a gap of nan is no gap: one of the runs computed NaN"
+        if x == -math.inf:
+            return f"a gap of {x} is no gap: the high-precision run diverged"
+        if self.diverged:
             return (
-                f"a gap of {observed} is no gap: the low-precision run diverged (the recipe "
-                f"costs {seen})"
+                f"a gap of {x:+.4g} is expected: the emulated run itself diverged in "
+                f"{self.diverged} of {len(self.gaps)} seed(s){where}, so the recipe does not "
+                "train this model as configured and a gap of any size is no evidence of a bug"
             )
-        if observed == -math.inf:
-            return f"a gap of {observed} is no gap: the high-precision run diverged"
+        if x == math.inf:
+            return (
+                f"a gap of {x} is no gap: the low-precision run diverged, which the emulated "
+                f"runs did not ({self}{where}): look for what the recipe does not explain"
+            )
         caveat = (
-            " (measured on one untrained step: advise(train_steps=...) or --train-steps "
-            "measures the gap after training, what a run's gap is compared with)"
+            f" (measured on one step{', untrained' if not self.steps else ''}: "
+            "advise(train_steps=...) or --train-steps measures the gap after training, "
+            "what a run's gap is compared with)"
             if self.basis == "step" else ""
         )  # fmt: skip
-        if not math.isfinite(self.upper):
+        if x < min(self.low, 0.0) - 3 * self.spread - 1e-12:
             return (
-                f"the emulated run itself diverged ({seen}): the recipe does not train this "
-                "model as configured; a gap of any size is not evidence of a bug"
-            )
-        if observed < min(self.low, 0.0) - 3 * self.spread - 1e-12:
-            return (
-                f"a gap of {observed:+.4g} is smaller than the recipe costs here ({seen}): "
+                f"a gap of {x:+.4g} is smaller than the recipe costs here ({self}{where}): "
                 "the low-precision run did better than its numerics predict; no sign of a "
                 "numerics problem, but check the two runs are compared like for like" + caveat
             )
-        if observed <= self.upper:
+        if x <= self.upper:
             return (
-                f"a gap of {observed:+.4g} is expected: the recipe costs {seen} here "
-                f"(up to {self.upper:+.4g})" + caveat
+                f"a gap of {x:+.4g} is expected: the recipe costs {self} here{where}, up to "
+                f"{self.upper:+.4g}" + caveat
             )
         return (
-            f"a gap of {observed:+.4g} is larger than the recipe's numerics cost here "
-            f"({seen}, up to {self.upper:+.4g}): look for what the recipe does not explain "
-            "(a layer quantized that the recipe keeps in high precision, scales not reduced "
-            "across ranks, a different data order or learning rate, a kernel bug)" + caveat
+            f"a gap of {x:+.4g} is larger than the recipe's numerics cost here ({self}{where}, "
+            f"up to {self.upper:+.4g}): look for what the recipe does not explain (a layer "
+            "quantized that the recipe keeps in high precision, scales not reduced across "
+            "ranks, a different data order or learning rate, a kernel bug)" + caveat
         )
 
     def __format__(self, spec: str) -> str:
         if spec not in ("", "s"):
             raise ValueError(f"ExpectedGap format {spec!r}: use '' or 's'")
-        where = (
-            f"over {len(self.gaps)} seed(s) after {self.steps} step(s)"
-            if self.basis == "trained"
-            else f"over {len(self.gaps)} batch(es) of one step, untrained"
-        )
+        if self.basis == "trained":
+            where = f"over {len(self.gaps)} seed(s) after {self.steps} step(s)"
+        elif self.steps:
+            where = f"over {len(self.gaps)} batch(es) of one step after a {self.steps}-step warm-up"
+        else:
+            where = f"over {len(self.gaps)} batch(es) of one step, untrained"
+        finite = [g for g in self.gaps if math.isfinite(g)]
+        if self.diverged:
+            head = f"diverged in {self.diverged} of {len(self.gaps)}"
+            if not finite:
+                return f"{head} {where}"
+            return (
+                f"{head}; the others {statistics.fmean(finite):+.4g} ± {self.spread:.2g} "
+                f"({min(finite):+.4g}..{max(finite):+.4g}) {where}"
+            )
         return f"{self.mean:+.4g} ± {self.spread:.2g} ({self.low:+.4g}..{self.high:+.4g}) {where}"
 
     def __str__(self) -> str:
@@ -155,6 +178,17 @@ class ExpectedGap:
             "spread": self.spread, "low": self.low, "high": self.high, "upper": self.upper,
             "config": self.config,
         }  # fmt: skip
+
+
+def _observed(observed: object) -> float:
+    """A gap given to judge / is_expected as a float (a 0-d tensor or numpy number too)."""
+    try:
+        return float(observed)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"ExpectedGap: the observed gap must be a number (your low-precision run's loss "
+            f"minus your high-precision run's), got {observed!r}"
+        ) from None
 
 
 def expected_gap(
@@ -295,6 +329,8 @@ def trained_copy(
     loss went non-finite. ``model`` and the RNG are left as they were."""
     work = copy.deepcopy(model)  # every submodule keeps its own train/eval mode
     params = [p for p in work.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{who}: no parameter of the model requires grad: nothing to train")
     for p in params:
         p.grad = None
     if recipe is not None:
@@ -315,7 +351,7 @@ def trained_copy(
                 if not queue:
                     queue = list(data)
                     order.shuffle(queue)
-                loss = batch_loss(loss_fn, work, queue.pop(), who)
+                loss = _training_loss(loss_fn, work, queue.pop(), who)
                 if not torch.isfinite(loss.detach()):  # a diverged run
                     return None
                 loss.backward()  # type: ignore[no-untyped-call]
@@ -327,6 +363,27 @@ def trained_copy(
         if recipe is not None:
             restore(work)
     return work
+
+
+def _training_loss(
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    model: nn.Module,
+    batch: Any,
+    who: str,
+) -> torch.Tensor:
+    """The loss to train on: ``loss_fn``'s, or the model's own; never the mean of an
+    output (training would minimize the logits)."""
+    if loss_fn is not None:
+        return batch_loss(loss_fn, model, batch, who)
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    loss, own = output_loss(out, who)
+    if not own:
+        raise ValueError(
+            f"{who}: the model returned no loss of its own (a Hugging Face model given no "
+            "labels?): training on the mean of its output is meaningless; put labels in "
+            "the batches or pass loss_fn=..."
+        )
+    return loss
 
 
 def _train(

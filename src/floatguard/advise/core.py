@@ -76,12 +76,11 @@ def advise(
     ValueError when the high-precision loss or gradient is already non-finite on a
     batch (nothing can be ranked against it), naming the batch."""
     data, budget = _check_args(model, batches, recipe, loss_fn, budget, skip, seed, per_gemm,
-                       leave_one_out, train_steps, seeds)  # fmt: skip
+                       leave_one_out, train_steps, seeds, warmup_steps)  # fmt: skip
     if name is not None and not isinstance(name, str):
         raise TypeError(f"advise: name={name!r} must be a string (the recipe's name) or None")
     label = name if name is not None else recipe_name(recipe)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise TypeError(f"advise: warmup_steps={warmup_steps!r} must be an int >= 0")
+    seed, train_steps, warmup_steps = int(seed), int(train_steps), int(warmup_steps)
     if warmup_steps:
         warmed = trained_copy(model, data, None, None, loss_fn, warmup_steps, seed, optimizer,
                               "advise")  # fmt: skip
@@ -158,7 +157,7 @@ def advise(
         passes += 3 * len(expected.seeds) * train_steps
     else:
         expected, expected_plan = (
-            ExpectedGap("step", 0, (seed,),
+            ExpectedGap("step", warmup_steps, (seed,),
                         tuple(deltas.get(frozenset(s), [0.0] * len(data))), config=c)
             for s, c in zip((names, plan_set), configs, strict=True)
         )  # fmt: skip
@@ -186,7 +185,7 @@ def advise(
 def _check_args(
     model: object, batches: object, recipe: object, loss_fn: object, budget: object,
     skip: object, seed: object, per_gemm: object, leave_one_out: object, train_steps: object,
-    seeds: object,
+    seeds: object, warmup_steps: object,
 ) -> tuple[list[Any], float | int]:  # fmt: skip
     """The arguments checked, each bad one named with its fix; the batches as a list and
     the budget as an int (layers) or a float (a FLOP fraction)."""
@@ -219,11 +218,19 @@ def _check_args(
     for flag, value in (("per_gemm", per_gemm), ("leave_one_out", leave_one_out)):
         if not isinstance(value, bool):
             raise TypeError(f"advise: {flag}={value!r} must be True or False")
-    for what, value in (("seed", seed), ("train_steps", train_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(f"advise: {what}={value!r} must be an int >= 0")
+    for what, value in (("seed", seed), ("train_steps", train_steps),
+                        ("warmup_steps", warmup_steps)):  # fmt: skip
+        _count(what, value)
     seed_list_of(seeds, "advise")
     return data, int(budget) if isinstance(budget, numbers.Integral) else float(budget)
+
+
+def _count(what: str, value: object) -> None:
+    """An int >= 0 (a numpy integer too): TypeError for another type, ValueError below 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"advise: {what}={value!r} must be an int >= 0")
+    if int(value) < 0:
+        raise ValueError(f"advise: {what}={value!r} must be an int >= 0")
 
 
 def _gain(everything: float, without: float) -> float:

@@ -57,9 +57,10 @@ class Advice:
     measured); ``notes``: what the recipe's own rules mean for the plan;
     ``expected`` / ``expected_plan``: the loss gap the recipe costs this model with every
     candidate emulated / with the plan (:class:`~floatguard.ExpectedGap`: after
-    ``train_steps`` steps over the seeds, or, without ``train_steps``, the one-step loss
-    change per batch); ``expected.judge(gap)`` says whether a gap you see on a GPU is one
-    the recipe's numerics explain."""
+    ``train_steps`` steps over the seeds, from the model as given even with a warm-up, or,
+    without ``train_steps``, the one-step loss change per batch of the model measured);
+    ``expected.judge(gap)`` says whether a gap you see on a GPU is one the recipe's
+    numerics explain."""
 
     recipe: str
     budget: float | int
@@ -110,11 +111,17 @@ class Advice:
                 + (" [keep]" if la.name in self.keep else "")
             )
         skip = self.skip()
-        lines.append(
-            f"emulate(model, recipe, skip={skip!r})"
-            if isinstance(skip, tuple)
-            else f"emulate(model, recipe, skip=advice.skip())  # {skip!r}"
-        )
+        if self.ranking and set(self.keep) >= set(self.ranking):
+            lines.append(
+                "the plan keeps every candidate layer: nothing is left to emulate (train "
+                "without emulate(), or give a smaller budget)"
+            )
+        else:
+            lines.append(
+                f"emulate(model, recipe, skip={skip!r})"
+                if isinstance(skip, tuple)
+                else f"emulate(model, recipe, skip=advice.skip())  # {skip!r}"
+            )
         if self.expected is not None and self.expected_plan is not None:
             lines.append(
                 f"expected loss gap, everything emulated: {self.expected}; with the plan: "

@@ -92,7 +92,8 @@ def _plot(layers: list[dict[str, Any]], keep: set[str], everything: float | None
     cap = (max(finite) + 10.0) if finite else 100.0
     # +inf: the layer adds no error (the longest bar); -inf: its emulation made the
     # gradient non-finite, the most sensitive of all (no bar, red, named so)
-    db = [cap if d == math.inf else 0.0 if d == -math.inf else d for d in raw]
+    floor = 0.03 * cap  # a visible red stub for a non-finite layer
+    db = [cap if d == math.inf else floor if d == -math.inf else d for d in raw]
     names = [n + " (non-finite)" if d == -math.inf else n for n, d in zip(names, raw, strict=True)]
     colors = [
         "#d62728" if d == -math.inf else "#ff7f0e" if n in keep else "#1f77b4"
@@ -137,9 +138,9 @@ def advice_section(log: RunLog, out: Path) -> str:
         everything = f.get("gap_all")
         parts.append(
             f"<h3>{escape(recipe)}</h3><p>The plan{escape(budget_words)}: keep "
-            f"{len(keep)} layer(s) in bf16"
+            f"{len(keep)} layer(s) in high precision"
             + (f" ({share:.1%} of GEMM FLOPs)" if share is not None else "")
-            + (f": <code>{escape(', '.join(sorted(keep)))}</code>" if keep else "")
+            + (f": <code>{escape(', '.join(map(str, keep_raw or [])))}</code>" if keep else "")
             + f". Everything emulated: {escape(_gap_words(everything))}; with the plan: "
             f"{escape(_gap_words(f.get('gap_plan')))}.</p>"
             f"<p>Expected loss gap (emulated minus high precision), everything emulated: "
