@@ -80,7 +80,7 @@ class Runner:
                 "advise: the model returned no loss (a Hugging Face model given no labels?): "
                 "ranking on the mean of its output, which says little of training; put "
                 "labels in the batches or pass loss_fn=...",
-                stacklevel=4,
+                stacklevel=5,
             )
         return loss
 
