@@ -738,7 +738,8 @@ def audit_cmd(
 
 
 _ADVISE_RECIPES = ("nvfp4", "nvfp4_training", "mxfp8", "hybrid_tensorwise", "hybrid_rowwise",
-                   "hybrid_block", "deepseek_v3", "torchao_rowwise", "deepgemm")  # fmt: skip
+                   "hybrid_block", "te_block_scaling", "deepseek_v3", "torchao_rowwise",
+                   "torchao_rowwise_with_gw_hp", "deepgemm")  # fmt: skip
 
 
 @app.command(name="advise")

@@ -141,6 +141,14 @@ PRESETS: list[tuple[str, EmulationRecipe, Ref]] = [
     ("hybrid_rowwise", EmulationRecipe.hybrid_rowwise(), Ref(
         Rowwise(E4), Rowwise(E4), Rowwise(E5), Rowwise(E4), Rowwise(E5), Rowwise(E4))),
     ("torchao_rowwise", EmulationRecipe.torchao_rowwise(), Ref(TAO, TAO, TAO, TAO, TAO, TAO)),
+    # torchao/float8/config.py, ROWWISE_WITH_GW_HP: W tensor-wise for grad_input, and
+    # grad_weight from the high-precision input and grad_output
+    ("torchao_rowwise_with_gw_hp", EmulationRecipe.torchao_rowwise_with_gw_hp(), Ref(
+        TAO, TAO, TAO, Tensorwise(E4, power_of_two=True, eps=1e-12), None, None)),
+    # TE's default Float8BlockScaling(): Format.E4M3 (gradients too), power-of-two scales
+    ("te_block_scaling", EmulationRecipe.te_block_scaling(), Ref(
+        Block(E4, (1, 128), "pow2"), Block(E4, (128, 128), "pow2"), Block(E4, (1, 128), "pow2"),
+        Block(E4, (128, 128), "pow2"), Block(E4, (1, 128), "pow2"), Block(E4, (1, 128), "pow2"))),
     ("hybrid_block", EmulationRecipe.hybrid_block(), Ref(
         B1, B128, Block(E5, (1, 128)), B128, Block(E5, (1, 128)), B1)),
     ("hybrid_block_pow2", EmulationRecipe.hybrid_block("pow2"), Ref(

@@ -88,8 +88,9 @@ def recommend(
     return f"{recipe} safe at this budget: {what}"
 
 
-PRESETS = ("nvfp4_training", "nvfp4", "mxfp8", "hybrid_block", "hybrid_tensorwise",
-            "hybrid_rowwise", "torchao_rowwise", "deepseek_v3", "deepgemm")  # fmt: skip
+PRESETS = ("nvfp4_training", "nvfp4", "mxfp8", "hybrid_block", "te_block_scaling",
+            "hybrid_tensorwise", "hybrid_rowwise", "torchao_rowwise",
+            "torchao_rowwise_with_gw_hp", "deepseek_v3", "deepgemm")  # fmt: skip
 
 
 def recipe_name(recipe: EmulationRecipe) -> str:

@@ -194,6 +194,33 @@ class EmulationRecipe:
         return cls(r, r, r)
 
     @classmethod
+    def torchao_rowwise_with_gw_hp(cls) -> EmulationRecipe:
+        """torchao's ``Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")``
+        (``torchao/float8/config.py``): fprop as :meth:`torchao_rowwise` (e4m3 X and W,
+        axis-wise along K); dgrad's dY e4m3 axis-wise along N and its W e4m3 with one
+        tensor-wise scale; the weight-gradient GEMM in high precision (both operands
+        unquantized). Scales rounded down to powers of two for every cast
+        (``round_scales_to_power_of_2=True``), amax floored at 1e-12 (torchao's EPS)."""
+        r = Rowwise("e4m3fn", power_of_two=True, eps=1e-12)
+        return cls(
+            r, r, r, dgrad_weight=Tensorwise("e4m3fn", power_of_two=True, eps=1e-12),
+            wgrad_grad=None, wgrad_input=None,
+        )  # fmt: skip
+
+    @classmethod
+    def te_block_scaling(cls, scale: BlockScale = "pow2") -> EmulationRecipe:
+        """Transformer Engine's default ``Float8BlockScaling()`` (``fp8_format=Format.E4M3``:
+        "both forward and backward pass run with E4M3 format by default", TE's blockwise
+        scaling docs): the blocks of :meth:`hybrid_block` (1x128 for X and dY along each
+        GEMM's reduction dim, 128x128 for W), e4m3 for the gradients too, scales rounded
+        down to powers of two (TE's default; ``scale="fp32"`` is
+        ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``)."""
+        return cls(
+            Block("e4m3fn", (1, 128), scale), Block("e4m3fn", (128, 128), scale),
+            Block("e4m3fn", (1, 128), scale),
+        )  # fmt: skip
+
+    @classmethod
     def hybrid_block(cls, scale: BlockScale = "fp32") -> EmulationRecipe:
         """Transformer Engine's ``Float8BlockScaling(fp8_format=Format.HYBRID)``: 1x128
         tiles for X and dY along each GEMM's reduction dim (column-wise copies, 128
