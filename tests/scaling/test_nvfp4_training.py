@@ -171,3 +171,22 @@ def test_the_preset_options_and_its_high_precision_layers() -> None:
     restore(model)
     assert list(emulate(model, r, skip=())) == ["body", "last", "head"]  # an explicit skip wins
     restore(model)
+
+
+def test_stochastic_rounding_is_biased_only_at_a_saturated_block_maximum() -> None:
+    """The documented bias: unbiased except where the e4m3 block scale rounded down and
+    the block's largest magnitude saturated at 6 (then no draw rounds it up)."""
+    from floatguard.emulation.recipes import NVFP4 as Nv
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, dtype=torch.float32)
+    r = Nv(rounding="stochastic")
+    draws = 64
+    mean = sum(r(x).values.double() for _ in range(draws)) / draws
+    blocks = x.abs().reshape(256, -1, 16)
+    top = (blocks == blocks.amax(-1, keepdim=True)).reshape(x.shape)
+    bias = (mean - x.double()) * x.sign().double()
+    at_max = float(bias[top].sum() / x.abs()[top].double().sum())
+    elsewhere = float(bias[~top].sum() / x.abs()[~top].double().sum())
+    assert -0.02 < at_max < -0.005  # about 1% toward zero
+    assert abs(elsewhere) < 0.002  # unbiased within the draws' noise

@@ -198,6 +198,11 @@ class Coverage(list[str]):
                 "high precision"
             )
         parts += [f"left {len(v)} {k} in high precision" for k, v in sorted(self.left.items())]
+        if not self.attention_requested:
+            parts.append(
+                "attention=False: the scaled_dot_product_attention matmuls (if the model "
+                "calls it) stay in high precision"
+            )
         return "; ".join(parts)
 
 

@@ -69,9 +69,15 @@ class NVFP4(TensorRecipe):
     ``two_d``: square ``block x block`` tiles over the last two dims (a 2-D weight's
     16x16 tiles, as NVIDIA's NVFP4 training recipe scales weights so that W and W^T
     quantize alike); otherwise 1 x ``block`` along the last dim (activations, gradients).
-    ``rounding="stochastic"``: the e2m1 elements round stochastically (unbiased: the
-    recipe's choice for gradients); the scales still round to nearest. The draws come
-    from torch's default generator (seed it with ``torch.manual_seed``).
+    ``rounding="stochastic"``: the e2m1 elements round stochastically (the recipe's
+    choice for gradients); the scales still round to nearest. The draws come from
+    torch's default generator (seed it with ``torch.manual_seed``). Stochastic rounding
+    is unbiased except at a saturated block maximum: when the block's e4m3 scale rounds
+    down, its largest magnitude lands above 6 and saturates there, and no draw can round
+    it up, so it is biased toward zero. On Gaussian data (512 x 1024, 64 draws) the block
+    maxima come out 1.14% small on average and the other elements within 0.01%, 0.19%
+    of the magnitude overall (measured here; ``tests/scaling/test_nvfp4_training.py``
+    checks the sign and size).
 
     ``scales``: ``S``, then every stored e4m3 block scale (as float32). No sync."""
 
