@@ -79,6 +79,15 @@ def _plant(model: torch.nn.Module, name: str | None) -> torch.nn.Module:
     return model
 
 
+def _seeded(cfg: GPTConfig, seed: int, plant: str | None):  # type: ignore[no-untyped-def]
+    """The seed's model (planted), its initial state and the 4 batches advise measures."""
+    torch.manual_seed(seed)
+    model = _plant(GPT(cfg), plant)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    return model, init, [synthetic_batch(cfg, 16, generator=gen) for _ in range(4)]
+
+
 def _train(
     cfg, init, recipe, keep, names, steps, seed, held, lr, data_seed=None, plant=None
 ) -> float:  # type: ignore[no-untyped-def]
@@ -116,11 +125,7 @@ def _oracle(args: argparse.Namespace, cfg: GPTConfig, held: list) -> None:  # ty
         truth: dict[int, dict[str, float]] = {}
         est: dict[str, dict[int, dict[str, float]]] = {"alone": {}, "gain": {}, "loss": {}}
         for seed in range(args.seeds):
-            torch.manual_seed(seed)
-            model = _plant(GPT(cfg), args.plant)
-            init = {k: v.clone() for k, v in model.state_dict().items()}
-            gen = torch.Generator().manual_seed(seed)
-            probe = [synthetic_batch(cfg, 16, generator=gen) for _ in range(4)]
+            model, init, probe = _seeded(cfg, seed, args.plant)
             a = advise(model, probe, recipe, loss_fn=_loss(cfg), budget=1, seed=seed,
                        warmup_steps=args.warmup)  # fmt: skip
             names = list(a.ranking)
@@ -185,11 +190,7 @@ def main() -> None:
     for rname in args.recipes.split(","):
         recipe = getattr(EmulationRecipe, rname)()
         for seed in range(args.seeds):
-            torch.manual_seed(seed)
-            model = _plant(GPT(cfg), args.plant)
-            init = {k: v.clone() for k, v in model.state_dict().items()}
-            gen = torch.Generator().manual_seed(seed)
-            probe = [synthetic_batch(cfg, 16, generator=gen) for _ in range(4)]
+            model, init, probe = _seeded(cfg, seed, args.plant)
             ref = _train(cfg, init, None, [], [], args.steps, seed, held, args.lr, None, args.plant)
             # the noise floor: high precision again, the batches drawn in another order
             other = _train(

@@ -236,16 +236,7 @@ def trained_gaps(
     """One :class:`ExpectedGap` per entry of ``skips`` (each an emulate() skip, its
     ``configs`` entry saying what it emulates), the high-precision run trained once per
     seed for all of them."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(recipe, EmulationRecipe):
-        raise TypeError(
-            f"{who}: recipe must be an EmulationRecipe (e.g. EmulationRecipe.mxfp8()), "
-            f"got {type(recipe).__name__}"
-        )
-    if is_emulated(model):
-        raise ValueError(f"{who}: the model is already emulate()d; restore(model) first")
-    check_loss_fn(loss_fn, who)
+    check_model(model, recipe, loss_fn, who)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{who}: steps={steps!r}; give an int >= 1 (optimizer steps)")
     seed_list = seed_list_of(seeds, who)
@@ -275,6 +266,25 @@ def trained_gaps(
         ExpectedGap("trained", steps, tuple(seed_list), tuple(g), tuple(refs), c)
         for g, c in zip(gaps, configs, strict=True)
     ]
+
+
+def check_model(model: object, recipe: object, loss_fn: object, who: str) -> None:
+    """A high-precision nn.Module, an EmulationRecipe and a loss_fn(model, batch), or a
+    clear error naming the bad one and its fix."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, EmulationRecipe):
+        raise TypeError(
+            f"{who}: recipe must be an EmulationRecipe (e.g. EmulationRecipe.nvfp4(), "
+            "EmulationRecipe.mxfp8()), "
+            f"got {type(recipe).__name__}"
+        )
+    check_loss_fn(loss_fn, who)
+    if is_emulated(model):
+        raise ValueError(
+            f"{who}: the model is already emulate()d; pass the high-precision model "
+            "(restore(model) first)"
+        )
 
 
 def seed_list_of(seeds: object, who: str) -> list[int]:

@@ -22,12 +22,12 @@ from floatguard.advise.measure import (
 )
 from floatguard.advise.plan import plan, recipe_name, recipe_notes, recommend, spearman
 from floatguard.advise.result import Advice, Exactly, LayerAdvice, Skip
-from floatguard.batch_loss import check_loss_fn
-from floatguard.emulation import EmulationRecipe, check_skip, emulate, is_emulated, restore
+from floatguard.emulation import EmulationRecipe, check_skip, emulate, restore
 from floatguard.emulation.coverage import coverage
 from floatguard.gap import (
     ExpectedGap,
     OptimizerFactory,
+    check_model,
     listed,
     seed_list_of,
     trained_copy,
@@ -189,19 +189,7 @@ def _check_args(
 ) -> tuple[list[Any], float | int]:  # fmt: skip
     """The arguments checked, each bad one named with its fix; the batches as a list and
     the budget as an int (layers) or a float (a FLOP fraction)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"advise: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(recipe, EmulationRecipe):
-        raise TypeError(
-            f"advise: recipe must be an EmulationRecipe (e.g. EmulationRecipe.nvfp4()), "
-            f"got {type(recipe).__name__}"
-        )
-    check_loss_fn(loss_fn, "advise")
-    if is_emulated(model):
-        raise ValueError(
-            "advise: the model is already emulate()d; pass the high-precision model "
-            "(restore(model) first)"
-        )
+    check_model(model, recipe, loss_fn, "advise")
     data = listed(batches, "batches", "advise")
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(

@@ -9,14 +9,14 @@ Words used here (the collaborators, one concern each; see ``docs/design.md``):
 - *judge* (:mod:`.judge`): the step's evidence, then the *policy* (:mod:`.policy`):
   (evidence, state) -> decision, pure Python; the *actor* (:mod:`.act`) carries it out;
 - *keeper* (:mod:`.keeper`): snapshots in memory and on disk, resume;
-- *emitters* (:mod:`.emit`): the step's events; *clipper* and *spike watch* in ``stability/``.
+- *emitters* (:mod:`.emit`): the step's events; *clipper* and *spike watch* in ``stability/``;
+- *the step's end* (:mod:`.conclude`): the verdict carried out, the result emitted.
 
 Reading order: :meth:`Guard.step`, then ``_step`` (one screen), then the methods it names.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from floatguard.causes import CAUSES, Cause
+from floatguard.causes import Cause
 from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.guard import policy
 from floatguard.guard._setup import (
     check_args,
     check_log_path,
 )
+from floatguard.guard.conclude import StepEnd
 from floatguard.guard.crew import build_crew
 from floatguard.guard.judge import StepVerdict
-from floatguard.guard.read import StepRead
 from floatguard.guard.run import as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
 from floatguard.scaling.loss_scale import DynamicLossScaler
@@ -161,6 +161,7 @@ class Guard:
             log=log, stats_every=stats_every, peer_timeout_s=peer_timeout_s,
             step_scheduler=step_scheduler, trend=trend,
         )  # fmt: skip
+        self._end = StepEnd(self._c, self._scaler, optimizer)
         self._ended = False
         self._c.emit.run(
             precision,
@@ -323,10 +324,10 @@ class Guard:
             vetted = (state_tensors, list(read.extra))
             if keeper.vetting_first:
                 self._c.checkpoint.first_vetted(step, vetted)
-            verdict = self._c.judge.judge(
+            verdict: StepVerdict = self._c.judge.judge(
                 step, read, closures, vetted, run.ladder, run.previous_applied
             )
-            return self._act(step, read, verdict, closures)
+            return self._end.act(step, read, verdict, closures)
         except BaseException:
             if not run.applied():  # the step did not happen: as if it had not begun
                 run.step_count = step
@@ -391,74 +392,7 @@ class Guard:
         that found an inf and did not call the optimizer): the losses recorded for it
         are dropped, the buffers restored, the step counted, and an ``overflow`` event
         (when the scales are given) and a ``step`` event written. One host read."""
-        if reason not in CAUSES:
-            raise ValueError(f"skip_external(reason={reason!r}); use one of {CAUSES}")
-        step = self._c.run.step_count
-        self._c.run.step_count += 1
-        loss = float(self._c.runner.mean_loss()) if self._c.runner.losses else math.nan
-        self._c.scratch.discard()
-        self._c.state.save()
-        self._c.run.previous_applied = False
-        if scale_before is not None and scale_after is not None:
-            self._c.emit.overflow(step, scale_before, scale_after)
-        scale = scale_after if scale_after is not None else self._scaler.get_scale()
-        result = StepResult(
-            step, "skipped", reason, loss, math.nan, scale, 1.0, self._c.run.ladder.lr_factor,
-            snapshot_age=self._c.keeper.age(self._c.run.step_count),
-        )  # fmt: skip
-        self._c.emit.step(result)
-        return result
-
-    # ----------------------------------------------------------------- act
-    def _act(
-        self, step: int, read: StepRead, verdict: StepVerdict, closures: Sequence[Closure] = ()
-    ) -> StepResult:
-        scale = self._scaler.get_scale()
-        lr = self._lr(verdict.decision.state.lr_factor)  # what the update uses
-        schedule_lr = self._lr(1.0)  # the schedule's, the guard's back-off left out
-        batch = (
-            self._c.inputs.identity(step, self._c.scratch.batch)
-            if verdict.fault is not None or verdict.spike is not None
-            else None
-        )
-        if self._c.repro is not None and verdict.decision.response != "apply":
-            self._c.repro.bad_step(  # before a rollback
-                step, verdict, self._c.judge.local, read.bad_ranks, closures, self._c.scratch.batch
-            )
-        try:
-            action, self._c.run.ladder = self._c.actor.act(
-                step, read, verdict, self._c.checkpoint.before_update, batch
-            )
-        except GuardStopped:
-            self._c.run.ladder = verdict.decision.state
-            raise
-        self._c.run.previous_applied = action == "applied"
-        if self._c.run.previous_applied:
-            self._c.watches.applied(step, read, schedule_lr, scale)
-        self._c.keeper.end_step()
-        self._c.scratch.end(self.step_count - 1)
-        result = StepResult(
-            step,
-            action,
-            verdict.decision.cause,
-            read.loss,
-            read.grad_norm,
-            scale,
-            verdict.clip[0],
-            self._c.run.ladder.lr_factor,
-            verdict.fault,
-            self._c.keeper.age(self.step_count),
-            lr,
-        )
-        self._c.emit.step(result)
-        return result
-
-    def _lr(self, factor: float) -> float | None:
-        """The LR a step's update uses: the first group's, times the LR factor."""
-        lr = self._optimizer.param_groups[0].get("lr") if self._optimizer.param_groups else None
-        if lr is None or isinstance(lr, torch.Tensor):
-            return None  # (a tensor LR is not read: that would be a sync)
-        return float(lr) * factor
+        return self._end.skipped_outside(reason, scale_before, scale_after)
 
     def close(self) -> None:
         """Detach the monitors, let go of the snapshot folder's lock, close the event log
@@ -474,7 +408,7 @@ class Guard:
             self._ended = True
             self._c.watches.run_ended(
                 self.step_count, self._c.check, self._c.keeper.amax,
-                self._c.run.ladder.lr_factor, self._lr(self._c.run.ladder.lr_factor),
+                self._c.run.ladder.lr_factor, self._end.lr(self._c.run.ladder.lr_factor),
             )  # fmt: skip
         self._c.scratch.close()
         self._c.keeper.close()
