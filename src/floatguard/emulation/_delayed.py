@@ -113,32 +113,65 @@ class Delayed:
 
 @dataclass
 class DelayedScaler:
-    """State of a :class:`Delayed` recipe: the amax history (most recent first) and the
-    current scale, on x's device.
+    """State of a :class:`Delayed` recipe: the amax history (most recent first), the
+    current scale and the amax pending since the last update, on x's device.
 
-    ``__call__(x)`` quantizes x with the current scale (``values = fmt(x * s) / s``,
-    saturating), records x's amax and computes the next scale; no sync. The result's
-    ``scales`` is the scale used, ``fallbacks`` 1 when the next scale could not be taken
-    from the history (or overflowed to FLT_MAX), ``nan_skipped`` the NaN elements of x
-    its amax skipped.
+    Two ways to drive it:
+
+    - ``__call__(x)``: one cast and its update at once (``cast`` then ``update``): the
+      recipe as a stand-alone operand recipe, one tensor per step.
+    - ``cast(x)`` any number of times, then ``update()`` once per step: Transformer
+      Engine's order. Every cast uses the current scale and folds its amax into the
+      pending one (the max, as TE's cast kernels ``atomicMax`` into slot 0 of the
+      history); ``update(amax)`` takes the pending amax (or ``amax``, the pending one
+      after a reduction across ranks), rolls the history and computes the next scale.
+      What :func:`~floatguard.emulation.emulate` does per layer and role.
+
+    ``values = fmt(x * s) / s`` (saturating); the result's ``scales`` is the scale used,
+    ``fallbacks`` 1 when the next scale could not be taken from the history (or
+    overflowed to FLT_MAX; from ``__call__``, else 0: ``update`` returns it), and
+    ``nan_skipped`` the NaN elements of x its amax skipped. No host-device sync.
     """
 
     recipe: Delayed
     history: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     steps: int = field(default=0)
+    pending: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor) -> QuantResult:
-        r = self.recipe
-        f = get(r.fmt)
+    def init(self, device: torch.device | str) -> None:
+        """Create the state on ``device`` (zeros, scale 1) if it does not exist yet."""
         if self.history is None or self.scale is None:
-            self.history = torch.zeros(r.history_len, device=x.device)
-            self.scale = torch.ones((), device=x.device)
+            self.history = torch.zeros(self.recipe.history_len, device=device)
+            self.scale = torch.ones((), device=device)
+        if self.pending is None:
+            self.pending = torch.zeros((), device=self.history.device)
+
+    def cast(self, x: torch.Tensor) -> QuantResult:
+        """x quantized with the current scale; its amax is folded into the pending one."""
+        r = self.recipe
+        self.init(x.device)
+        assert self.scale is not None and self.pending is not None
         used = self.scale.clone()
-        values = (quantize(x.to(torch.float32) * used, f, overflow="saturate") / used).to(x.dtype)
+        values = (quantize(x.to(torch.float32) * used, get(r.fmt), overflow="saturate") / used).to(
+            x.dtype
+        )
         amax, skipped = _amax_and_skipped(x, None, r.nan_policy)
-        idle = amax == 0  # TE: a zero amax neither rolls the history nor moves the scale
-        rolled = torch.cat([amax.reshape(1).to(self.history.dtype), self.history[:-1]])
+        self.pending = torch.maximum(self.pending, amax.to(self.pending.dtype))
+        return QuantResult(values, used, torch.zeros((), dtype=torch.int64), skipped)
+
+    def update(self, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Roll the history with the step's amax (``amax``, else the pending one) and
+        compute the next scale; returns the fallback flag (0-dim int64). A step with
+        amax 0 (no cast, or only zeros) leaves history and scale alone."""
+        r = self.recipe
+        if self.history is None or self.scale is None or self.pending is None:
+            device = amax.device if amax is not None else "cpu"
+            self.init(device)
+        assert self.history is not None and self.scale is not None and self.pending is not None
+        last = (self.pending if amax is None else amax).reshape(()).to(self.history.dtype)
+        idle = last == 0  # TE: a zero amax neither rolls the history nor moves the scale
+        rolled = torch.cat([last.reshape(1), self.history[:-1]])
         self.history = torch.where(idle, self.history, rolled)
         h = self.history
         if r.skip_nonfinite:  # the largest finite entry (0 when none: falls back)
@@ -149,18 +182,25 @@ class DelayedScaler:
         q, overflow = _f32_quotient(r.scaled_max, amax_h.to(torch.float32))
         usable = torch.isfinite(amax_h) & (amax_h > 0)
         new = torch.where(overflow, torch.full_like(q, FLT_MAX), q).to(torch.float32)
-        new = torch.where(usable & ~idle, new, self.scale)
-        self.scale = new
+        self.scale = torch.where(usable & ~idle, new, self.scale)
+        self.pending = torch.zeros_like(self.pending)
         self.steps += 1
         fell = ~usable | idle | overflow  # an overflowing quotient gets FLT_MAX, counted
-        return QuantResult(values, used, fell.to(torch.int64), skipped)
+        return fell.to(torch.int64)
+
+    def __call__(self, x: torch.Tensor) -> QuantResult:
+        res = self.cast(x)
+        fell = self.update()
+        return QuantResult(res.values, res.scales, fell, res.nan_skipped)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "history": None if self.history is None else self.history.clone(),
             "scale": None if self.scale is None else self.scale.clone(),
             "steps": self.steps,
+            "pending": None if self.pending is None else self.pending.clone(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.history, self.scale, self.steps = sd["history"], sd["scale"], int(sd["steps"])
+        self.pending = sd.get("pending")

@@ -21,8 +21,10 @@ from floatguard.emulation._emulated_layers import (
     EmulatedLinear,
     _Emulated,
     emulated_sdpa,
+    source_dtype,
 )
 from floatguard.emulation._gemm import _emulated_gemm
+from floatguard.emulation._scale_state import LayerCasts, ScalingState, uses_delayed
 from floatguard.emulation.emulation_recipe import EmulationRecipe
 from floatguard.errors import FloatguardError
 
@@ -112,9 +114,17 @@ class _MHAHooks:
     parameters with ``F.linear`` inside ``F.multi_head_attention_forward`` (its out_proj
     module is never called), so ``F.linear`` is the emulated GEMM during its forward."""
 
-    def __init__(self, module: nn.Module, recipe: EmulationRecipe) -> None:
+    def __init__(
+        self, module: nn.Module, recipe: EmulationRecipe, name: str, state: ScalingState | None
+    ) -> None:
         self.recipe = recipe
         self.saved: Any = None
+        # one scaling state per projection weight (in_proj, out_proj, q/k/v_proj)
+        self.casts: dict[int, LayerCasts] = {}
+        if state is not None:
+            for pname, p in module.named_parameters():
+                if p.dim() == 2:
+                    self.casts[id(p)] = state.layer(f"{name}.{pname}", p.device)
         self.handles = [
             module.register_forward_pre_hook(self._enter),
             module.register_forward_hook(self._exit, always_call=True),
@@ -123,7 +133,9 @@ class _MHAHooks:
     def _linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        y = _emulated_gemm(x.float(), weight.float(), self.recipe)
+        y = _emulated_gemm(
+            x.float(), weight.float(), self.recipe, self.casts.get(id(weight)), source_dtype(x)
+        )
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
@@ -142,6 +154,7 @@ class _MHAHooks:
 
 _ROOT: weakref.WeakKeyDictionary[nn.Module, _RootHooks] = weakref.WeakKeyDictionary()
 _MHA: weakref.WeakKeyDictionary[nn.Module, _MHAHooks] = weakref.WeakKeyDictionary()
+_STATE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 class Coverage(list[str]):
@@ -161,11 +174,16 @@ class Coverage(list[str]):
         left: dict[str, list[str]],
         attention: bool = False,
         hooks: _RootHooks | None = None,
+        scaling: ScalingState | None = None,
     ) -> None:
         super().__init__(swapped)
         self.left = left
         self.attention_requested = attention
         self._hooks = hooks
+        self.scaling = scaling
+        """The model's scaling state (delayed scaling per layer and role, the amax
+        reduction group): :class:`~floatguard.emulation._scale_state.ScalingState`;
+        None for stateless recipes without an amax group."""
 
     @property
     def sdpa_calls(self) -> int:
@@ -227,11 +245,15 @@ def is_emulated(model: nn.Module) -> bool:
     return any(isinstance(m, _Emulated) or m in _MHA or m in _ROOT for m in model.modules())
 
 
-def _emulated_for(module: nn.Module, recipe: EmulationRecipe) -> _Emulated:
-
+def _emulated_for(
+    module: nn.Module, recipe: EmulationRecipe, name: str, state: ScalingState | None
+) -> _Emulated:
+    w = getattr(module, "weight", None)
+    device = w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
+    casts = state.layer(name, device) if state is not None else None
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        return EmulatedConv(module, recipe)
-    return EmulatedLinear(module, recipe)
+        return EmulatedConv(module, recipe, casts)
+    return EmulatedLinear(module, recipe, casts)
 
 
 def check_skip(skip: object, who: str) -> None:
@@ -257,6 +279,7 @@ def emulate(
     modules: tuple[type[nn.Module], ...] | None = None,
     skip: tuple[str, ...] | Callable[[str, nn.Module], bool] | None = None,
     attention: bool = False,
+    amax_group: Any = None,
 ) -> Coverage:
     """Swap matching modules in place for emulated ones; returns what was covered.
 
@@ -282,6 +305,16 @@ def emulate(
     is itself one of the covered layers (``emulate(nn.Linear(4, 4), ...)``): modules are
     swapped in their parent, and the object you hold cannot be replaced; wrap it in an
     ``nn.Sequential``.
+
+    Scaling state. A recipe with :class:`~floatguard.emulation.Delayed` operands
+    (:meth:`EmulationRecipe.te_delayed`) gets an amax history and scale per layer and per
+    tensor (X, W, dY), updated as Transformer Engine does (the forward's when the model's
+    forward returns with grad enabled, the gradient's when the backward ends); they are in
+    ``Coverage.scaling``. ``amax_group`` (a process group): tensor-wise amaxes (Delayed
+    at their update, ``Tensorwise`` at each cast) are MAX-reduced over it, so shards of a
+    tensor-parallel layer get the whole tensor's scale (TE's ``amax_reduction_group``);
+    the recipe's ``reduce_amax`` reduces over the default group when none is given.
+    Without it a shard's scale comes from the shard's own amax.
     """
 
     if not isinstance(recipe, EmulationRecipe):
@@ -301,6 +334,18 @@ def emulate(
             "e.g. model = nn.Sequential(model), then emulate(model, recipe)"
         )
     check_skip(skip, "emulate")
+    delayed = uses_delayed(recipe)
+    if delayed and attention:
+        raise ValueError(
+            "emulate(attention=True) with a Delayed recipe: delayed scaling of the attention "
+            "matmuls (TE's fp8_dpa) is not emulated; use attention=False or a current-scaling "
+            "recipe"
+        )
+    state = (
+        ScalingState(recipe, amax_group)
+        if delayed or amax_group is not None or recipe.reduce_amax
+        else None
+    )
     skip = (recipe.skip or ()) if skip is None else skip  # the preset's high-precision layers
     swapped: list[str] = []
     left: dict[str, list[str]] = {}
@@ -323,7 +368,7 @@ def emulate(
             wanted = not modules or isinstance(module, modules)
             skipped = skip(name, module) if callable(skip) else any(s in name for s in skip)
             if wanted and not skipped and module not in _MHA:
-                _MHA[module] = _MHAHooks(module, recipe)
+                _MHA[module] = _MHAHooks(module, recipe, name, state)
                 mha_hooked = True
                 swapped.append(name)
             else:
@@ -344,9 +389,9 @@ def emulate(
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _emulated_for(module, recipe))
+        setattr(parent, child, _emulated_for(module, recipe, name, state))
         swapped.append(name)
-    coverage = Coverage(swapped, left, attention)
+    coverage = Coverage(swapped, left, attention, scaling=state)
     if not swapped and not attention:
         found = sorted({type(m).__name__ for n, m in model.named_modules()
                         if n or isinstance(m, _OTHER_GEMMS)})  # fmt: skip
@@ -359,7 +404,9 @@ def emulate(
         raise NothingToEmulate(f"emulate covered no layer: {why}")
     if attention or mha_hooked:
         _ROOT[model] = _RootHooks(model, recipe, attention=attention, mha=mha_hooked)
-        coverage = Coverage(swapped, left, attention, _ROOT[model])
+        coverage = Coverage(swapped, left, attention, _ROOT[model], state)
+    if state is not None and delayed:
+        _STATE[model] = model.register_forward_hook(state.after_forward, always_call=True)
     logging.getLogger("floatguard").info("emulate: %s", coverage.summary())
     return coverage
 
@@ -381,4 +428,7 @@ def restore(model: nn.Module) -> list[str]:
     hooks = _ROOT.pop(model, None)
     if hooks is not None:
         hooks.remove()
+    handle = _STATE.pop(model, None)
+    if handle is not None:
+        handle.remove()
     return names

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from floatguard.emulation._gemm import _emulated_gemm
+from floatguard.emulation._scale_state import LayerCasts
 from floatguard.emulation.emulation_recipe import EmulationRecipe
 from floatguard.emulation.recipes import TensorRecipe
 
@@ -68,9 +69,12 @@ class _Emulated(nn.Module):
     """Common part of the emulated modules: the original (outside the module tree) and
     its parameters, shared."""
 
-    def __init__(self, original: nn.Module, recipe: EmulationRecipe) -> None:
+    def __init__(
+        self, original: nn.Module, recipe: EmulationRecipe, casts: LayerCasts | None = None
+    ) -> None:
         super().__init__()
         self.original = [original]  # a list keeps it out of the module tree
+        self.casts = casts  # the layer's scaling state (delayed scaling, amax reduction)
         weight = getattr(original, "weight", None)
         if not isinstance(weight, nn.Parameter):
             raise TypeError(f"cannot emulate {type(original).__name__}: no weight parameter")
@@ -83,12 +87,19 @@ class _Emulated(nn.Module):
         return self.original[0]
 
 
+def source_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype an operand is quantized from, where it is not float32: bf16 or fp16."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else None
+
+
 class EmulatedLinear(_Emulated):
     """``nn.Linear`` (or transformers' ``Conv1D``) computed under an :class:`EmulationRecipe`;
     shares ``weight`` and ``bias`` with the module it replaces (``original``)."""
 
-    def __init__(self, original: nn.Module, recipe: EmulationRecipe) -> None:
-        super().__init__(original, recipe)
+    def __init__(
+        self, original: nn.Module, recipe: EmulationRecipe, casts: LayerCasts | None = None
+    ) -> None:
+        super().__init__(original, recipe, casts)
         if self.weight.dim() != 2:
             raise TypeError(f"cannot emulate {type(original).__name__}: no 2-D weight")
         # transformers' Conv1D (GPT-2) stores the weight as (in, out): y = x @ W + b
@@ -100,7 +111,7 @@ class EmulatedLinear(_Emulated):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Blocks of the weight run along the reduction dim, as for nn.Linear's (out, in).
         w = self.weight.float().t() if self.transposed else self.weight.float()
-        y = _emulated_gemm(x.float(), w, self.recipe)
+        y = _emulated_gemm(x.float(), w, self.recipe, self.casts, source_dtype(x))
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
@@ -121,8 +132,10 @@ class EmulatedConv(_Emulated):
     and unbatched inputs. Memory: the unfolded input is ``k`` times the input (this is an
     emulator, not a fast conv)."""
 
-    def __init__(self, original: nn.Module, recipe: EmulationRecipe) -> None:
-        super().__init__(original, recipe)
+    def __init__(
+        self, original: nn.Module, recipe: EmulationRecipe, casts: LayerCasts | None = None
+    ) -> None:
+        super().__init__(original, recipe, casts)
         if not isinstance(original, (nn.Conv1d, nn.Conv2d)):
             raise TypeError(
                 f"EmulatedConv emulates nn.Conv1d/nn.Conv2d, not {type(original).__name__}"
@@ -165,7 +178,8 @@ class EmulatedConv(_Emulated):
         g = c.groups
         cols = cols.reshape(batch, g, -1, h_out * w_out).transpose(-1, -2)  # [N, g, L, K]
         wg = self.weight.float().reshape(g, c.out_channels // g, -1)  # [g, out/g, K]
-        ys = [_emulated_gemm(cols[:, i], wg[i], self.recipe) for i in range(g)]
+        src = source_dtype(x)
+        ys = [_emulated_gemm(cols[:, i], wg[i], self.recipe, self.casts, src) for i in range(g)]
         y = torch.cat(ys, dim=-1).transpose(1, 2)  # [N, out, L]
         y = y.reshape(batch, c.out_channels, h_out, w_out)
         if n == 1:
@@ -213,7 +227,8 @@ def emulated_sdpa(
     q, k, v = (t.expand(*batch, *t.shape[-2:]) for t in (q, k, v))
     n_q, n_k = q.size(-2), k.size(-2)
     sc = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    s = _emulated_gemm(q, k, r) * sc
+    src = source_dtype(query)
+    s = _emulated_gemm(q, k, r, None, src) * sc
     if is_causal:
         keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~keep, -math.inf)
@@ -226,7 +241,9 @@ def emulated_sdpa(
     p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)
     if dropout_p > 0.0:
         p = F.dropout(p, dropout_p, training=True)
-    out = _emulated_gemm(p, v.transpose(-2, -1), r)  # P [.., n_q, n_k] @ (v^T) [.., E, n_k]^T
+    out = _emulated_gemm(
+        p, v.transpose(-2, -1), r, None, src
+    )  # P [.., n_q, n_k] @ (v^T) [.., E, n_k]^T
     return out.to(query.dtype)
 
 

@@ -26,26 +26,49 @@ wgrad's. No host-device sync anywhere.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from floatguard.emulation._core import QuantResult
+from floatguard.emulation._delayed import Delayed
 from floatguard.emulation._gemm_tag import emulated_gemm
-from floatguard.emulation.emulation_recipe import EmulationRecipe
+from floatguard.emulation._scale_state import plain_cast
+from floatguard.emulation.emulation_recipe import EmulationRecipe, Operand
 from floatguard.emulation.hadamard import random_hadamard_transform
-from floatguard.emulation.recipes import TensorRecipe
 from floatguard.formats.registry import Format
 from floatguard.formats.rounding import quantize
 
 __all__: list[str] = []
 
 
-def _quantized(recipe: TensorRecipe | None, t: torch.Tensor) -> torch.Tensor:
-    """t (float32, reduction dim last) fake-quantized by ``recipe``; None: t itself."""
-    if recipe is None or t.numel() == 0:
-        return t
-    return recipe(t).values.to(torch.float32)
+class _Casts(Protocol):
+    def cast(
+        self, op: Operand, recipe: Any, t: torch.Tensor, source: torch.dtype | None = None
+    ) -> QuantResult | None: ...
+
+
+def _quantized(
+    casts: _Casts | None,
+    op: Operand,
+    recipe: Any,
+    t: torch.Tensor,
+    source: torch.dtype | None,
+) -> torch.Tensor:
+    """t (float32, reduction dim last) fake-quantized for operand ``op``: through the
+    layer's casts where it has state (delayed scaling, amax reduction), else by
+    ``recipe`` itself; None: t itself."""
+    res = casts.cast(op, recipe, t, source) if casts is not None else plain_cast(recipe, t, source)
+    return t if res is None else res.values.to(torch.float32)
+
+
+def _narrowed(t: torch.Tensor, source: torch.dtype | None) -> torch.Tensor:
+    """t rounded to the operand's own dtype where the reference keeps an intermediate in
+    it (bf16/fp16: TE's RHT kernels write their output in the input's type)."""
+    if source in (torch.bfloat16, torch.float16):
+        return t.to(source).to(torch.float32)
+    return t
 
 
 def _t(t: torch.Tensor) -> torch.Tensor:
@@ -81,11 +104,13 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, r: EmulationRecipe) -> torch.Tenso
 
 
 def _rht_pair(
-    g_t: torch.Tensor, a_t: torch.Tensor, r: EmulationRecipe
+    g_t: torch.Tensor, a_t: torch.Tensor, r: EmulationRecipe, source: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both wgrad operands (tokens last) zero-padded to a multiple of the Hadamard size
     and transformed (the padding cancels: its rows of dY and X are 0 before the
-    transform, and the transform is orthogonal)."""
+    transform, and the transform is orthogonal); the output rounded to the operands'
+    bf16/fp16 ``source`` dtype, as TE's RHT kernels and its reference
+    (``custom_recipes/reference_nvfp4.py``: ``x_mat @ transform`` in ``x.dtype``) give it."""
     n = r.wgrad_rht
     if n is None:
         return g_t, a_t
@@ -93,50 +118,89 @@ def _rht_pair(
     if pad:
         g_t, a_t = F.pad(g_t, (0, pad)), F.pad(a_t, (0, pad))
     return (
-        random_hadamard_transform(g_t, n, r.rht_seed),
-        random_hadamard_transform(a_t, n, r.rht_seed),
+        _narrowed(random_hadamard_transform(g_t, n, r.rht_seed), source),
+        _narrowed(random_hadamard_transform(a_t, n, r.rht_seed), source),
     )
 
 
 class _EmulatedGemm(torch.autograd.Function):
     """``a @ w^T`` (float32; a ``[.., M, K]``, w ``[.., N, K]`` with a's batch dims or
-    none) with the six operand quantizations of an :class:`EmulationRecipe`."""
+    none) with the six operand quantizations of an :class:`EmulationRecipe`; ``casts``:
+    the layer's scaling state (None: stateless recipes only); ``source``: the dtype
+    the operands had before they were widened to float32 (None: float32)."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, r: EmulationRecipe) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        a: torch.Tensor,
+        w: torch.Tensor,
+        r: EmulationRecipe,
+        casts: _Casts | None = None,
+        source: torch.dtype | None = None,
+    ) -> torch.Tensor:
         ops = r.operands()
-        aq = _quantized(ops["fprop_input"], a)
-        wq = _quantized(ops["fprop_weight"], w)
+        aq = _quantized(casts, "fprop_input", ops["fprop_input"], a, source)
+        wq = _quantized(casts, "fprop_weight", ops["fprop_weight"], w, source)
         y = _matmul(aq, wq, r)
         # What the backward copies are made from: the high-precision tensors (TE,
-        # torchao), or the forward's quantized ones where the recipe says so.
-        a_src = aq if r.wgrad_input_from == "fprop" else a
-        w_src = wq if r.dgrad_weight_from == "fprop" else w
+        # torchao), or the forward's quantized ones where the recipe says so. A
+        # delayed-scaled X or W is cast once: its backward copy is the forward's.
+        a_src = (
+            aq if r.wgrad_input_from == "fprop" or isinstance(ops["wgrad_input"], Delayed) else a
+        )
+        w_src = (
+            wq if r.dgrad_weight_from == "fprop" or isinstance(ops["dgrad_weight"], Delayed) else w
+        )
         ctx.save_for_backward(a_src, w_src)
-        ctx.recipe = r
+        ctx.recipe, ctx.casts, ctx.source = r, casts, source
         return y
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         a_src, w_src = ctx.saved_tensors
         r: EmulationRecipe = ctx.recipe
+        casts, source = ctx.casts, ctx.source
         ops = r.operands()
         g = g.to(torch.float32)
-        da = dw = None
+        da = dw = gq = None
         if ctx.needs_input_grad[0]:  # dgrad: dY [.., M, N] @ (W^T) [.., K, N]^T, reduces N
-            gq = _quantized(ops["dgrad_grad"], g)
-            wq_t = _quantized(ops["dgrad_weight"], _t(w_src))
+            gq = _quantized(casts, "dgrad_grad", ops["dgrad_grad"], g, source)
+            w_t = _t(w_src)
+            wq_t = (
+                w_t if isinstance(ops["dgrad_weight"], Delayed)
+                else _quantized(casts, "dgrad_weight", ops["dgrad_weight"], w_t, source)
+            )  # fmt: skip
             da = _matmul(gq, wq_t, r)
         if ctx.needs_input_grad[1]:  # wgrad: (dY^T) [.., N, M] @ (X^T) [.., K, M]^T, reduces M
-            g_t, a_t = _rht_pair(_t(g), _t(a_src), r)
-            gq_t = _quantized(ops["wgrad_grad"], g_t)
-            aq_t = _quantized(ops["wgrad_input"], a_t)
+            delayed_g = isinstance(ops["wgrad_grad"], Delayed)
+            if delayed_g:  # dY is cast once (in dgrad when it ran): its transpose
+                if gq is None or not isinstance(ops["dgrad_grad"], Delayed):
+                    gq = _quantized(casts, "wgrad_grad", ops["wgrad_grad"], g, source)
+                g_t, a_t = _t(gq), _t(a_src)
+            else:
+                g_t, a_t = _rht_pair(_t(g), _t(a_src), r, source)
+            gq_t = (
+                g_t
+                if delayed_g
+                else _quantized(casts, "wgrad_grad", ops["wgrad_grad"], g_t, source)
+            )
+            aq_t = (
+                a_t if isinstance(ops["wgrad_input"], Delayed)
+                else _quantized(casts, "wgrad_input", ops["wgrad_input"], a_t, source)
+            )  # fmt: skip
             dw = _matmul(gq_t, aq_t, r)
-        return da, dw, None
+        return da, dw, None, None, None
 
 
-def _emulated_gemm(a: torch.Tensor, w: torch.Tensor, r: EmulationRecipe) -> torch.Tensor:
-    """``a @ w.T`` as the low-precision GEMMs compute it, forward and backward.
+def _emulated_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    r: EmulationRecipe,
+    casts: _Casts | None = None,
+    source: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``a @ w.T`` as the low-precision GEMMs compute it, forward and backward
+    (``casts``, ``source``: see :class:`_EmulatedGemm`).
 
     ``w [N, K]`` (a layer's weight, float32): ``a [..., K]`` is flattened to the tokens
     ``[M, K]`` (M = the product of the leading dims, e.g. batch x sequence), so wgrad's
@@ -145,12 +209,12 @@ def _emulated_gemm(a: torch.Tensor, w: torch.Tensor, r: EmulationRecipe) -> torc
     """
     if w.dim() == 2:
         lead = a.shape[:-1]
-        out: torch.Tensor = _EmulatedGemm.apply(a.reshape(-1, a.shape[-1]), w, r)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _EmulatedGemm.apply(a.reshape(-1, a.shape[-1]), w, r, casts, source)  # type: ignore[no-untyped-call]
         return out.reshape(*lead, w.shape[0])
     if a.shape[:-2] != w.shape[:-2]:
         raise ValueError(
             f"batched emulated GEMM: operands' batch dims differ, {tuple(a.shape)} and "
             f"{tuple(w.shape)}; expand them to one shape first"
         )
-    batched: torch.Tensor = _EmulatedGemm.apply(a, w, r)  # type: ignore[no-untyped-call]
+    batched: torch.Tensor = _EmulatedGemm.apply(a, w, r, casts, source)  # type: ignore[no-untyped-call]
     return batched

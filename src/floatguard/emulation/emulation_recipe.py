@@ -28,6 +28,7 @@ from typing import Literal, get_args
 
 from torch import nn
 
+from floatguard.emulation._delayed import AmaxAlgo, Delayed
 from floatguard.emulation.recipes import (
     MX,
     NVFP4,
@@ -51,13 +52,16 @@ OperandSource = Literal["high_precision", "fprop"]
 cached FP8 activations; with no backward recipe: the straight-through estimator)."""
 Auto = Literal["auto"]
 SkipRule = tuple[str, ...] | Callable[[str, nn.Module], bool]
-Resolved = TensorRecipe | None
+OperandRecipe = TensorRecipe | Delayed
+Resolved = OperandRecipe | None
 
 
 def _check_recipe(name: str, value: object, auto_ok: bool) -> None:
-    if value is None or callable(value) or (auto_ok and value == "auto"):
+    if value is None or callable(value) or isinstance(value, Delayed):
         return
-    allowed = "a TensorRecipe, None (not quantized)" + (" or 'auto'" if auto_ok else "")
+    if auto_ok and value == "auto":
+        return
+    allowed = "a TensorRecipe, None (not quantized), a Delayed" + (" or 'auto'" if auto_ok else "")
     raise TypeError(f"EmulationRecipe.{name}={value!r} must be {allowed}")
 
 
@@ -72,11 +76,11 @@ class EmulationRecipe:
     what 0.1 computed; for block scales 0.1 reused the forward's K-blocks in backward.
     """
 
-    activation: TensorRecipe | None
+    activation: OperandRecipe | None
     """fprop's X, along K (the layer input)."""
-    weight: TensorRecipe | None
+    weight: OperandRecipe | None
     """fprop's W, along K."""
-    grad: TensorRecipe | None = None
+    grad: OperandRecipe | None = None
     """dY (the output gradient); the default of ``dgrad_grad`` and ``wgrad_grad``.
     None: not quantized (straight-through)."""
     accumulate_bits: int | None = None
@@ -86,13 +90,13 @@ class EmulationRecipe:
     None: float32 accumulation."""
     accumulate_every: int = 128
     """The promotion interval, in elements of the reduction dim."""
-    dgrad_grad: TensorRecipe | Auto | None = "auto"
+    dgrad_grad: OperandRecipe | Auto | None = "auto"
     """dgrad's dY, along N. ``"auto"``: ``grad``."""
-    dgrad_weight: TensorRecipe | Auto | None = "auto"
+    dgrad_weight: OperandRecipe | Auto | None = "auto"
     """dgrad's W (as ``W^T [K, N]``), along N. ``"auto"``: ``weight``."""
-    wgrad_grad: TensorRecipe | Auto | None = "auto"
+    wgrad_grad: OperandRecipe | Auto | None = "auto"
     """wgrad's dY (as ``dY^T [N, M]``), along the tokens M. ``"auto"``: ``grad``."""
-    wgrad_input: TensorRecipe | Auto | None = "auto"
+    wgrad_input: OperandRecipe | Auto | None = "auto"
     """wgrad's X (as ``X^T [K, M]``), along the tokens M. ``"auto"``: ``activation``."""
     dgrad_weight_from: OperandSource = "high_precision"
     """What ``dgrad_weight`` quantizes: W, or fprop's quantized W."""
@@ -109,6 +113,12 @@ class EmulationRecipe:
     skip: SkipRule | None = None
     """The layers this recipe keeps in high precision, used by ``emulate()`` when it is
     given no ``skip`` (name substrings or a predicate ``(name, module) -> bool``)."""
+    reduce_amax: bool = False
+    """Transformer Engine's ``reduce_amax``: tensor-wise amaxes (a
+    :class:`~floatguard.emulation.Delayed` operand's at its update, a ``Tensorwise``
+    operand's at each cast) are MAX-reduced over ``emulate(amax_group=)``, or the default
+    process group when none is given, whenever torch.distributed is initialized with more
+    than one rank. ``emulate(amax_group=g)`` reduces over ``g`` whatever this says."""
 
     def __post_init__(self) -> None:
         _check_recipe("activation", self.activation, False)
@@ -139,6 +149,9 @@ class EmulationRecipe:
                 f"EmulationRecipe.wgrad_rht={n}: Transformer Engine's sign vector has 16 "
                 "entries; pass rht_seed= (an int) for another size"
             )
+        if not isinstance(self.reduce_amax, bool):
+            raise ValueError(f"EmulationRecipe.reduce_amax={self.reduce_amax!r} must be a bool")
+        self._check_delayed()
         skip = self.skip
         if not (skip is None or callable(skip) or (
             isinstance(skip, tuple) and all(isinstance(s, str) for s in skip)
@@ -148,10 +161,30 @@ class EmulationRecipe:
                 "or a predicate (name, module) -> bool"
             )
 
+    def _check_delayed(self) -> None:
+        """A delayed-scaled tensor is cast once per step and its FP8 copy serves both
+        GEMMs it enters (Transformer Engine): the backward uses of X, W and dY must name
+        the same :class:`Delayed` as their first use."""
+        ops = self.operands()
+        for first, later in (("fprop_input", "wgrad_input"), ("fprop_weight", "dgrad_weight"),
+                             ("dgrad_grad", "wgrad_grad")):  # fmt: skip
+            a, b = ops[first], ops[later]  # type: ignore[index]
+            if isinstance(b, Delayed) and b != a and not (first == "dgrad_grad" and a is None):
+                raise ValueError(
+                    f"EmulationRecipe.{later}={b!r}: a delayed-scaled tensor is cast once per "
+                    f"step and reused (Transformer Engine); give {later} the same Delayed as "
+                    f"{first} (or 'auto'), or a current-scaling recipe"
+                )
+        if self.wgrad_rht is not None and any(isinstance(r, Delayed) for r in ops.values()):
+            raise ValueError(
+                "EmulationRecipe: wgrad_rht with a Delayed operand; the Hadamard transform "
+                "belongs to NVFP4's current scaling, not to delayed scaling"
+            )
+
     def operands(self) -> dict[Operand, Resolved]:
         """The six operand recipes with ``"auto"`` resolved (None: not quantized)."""
 
-        def pick(value: TensorRecipe | Auto | None, default: TensorRecipe | None) -> Resolved:
+        def pick(value: OperandRecipe | Auto | None, default: Resolved) -> Resolved:
             return default if isinstance(value, str) else value
 
         return {
@@ -173,6 +206,39 @@ class EmulationRecipe:
         matter for one scale per tensor (TE's column-wise copy is the transposed FP8
         data)."""
         return cls(Tensorwise("e4m3fn"), Tensorwise("e4m3fn"), Tensorwise("e5m2"))
+
+    @classmethod
+    def te_delayed(
+        cls,
+        margin: float = 0,
+        fp8_format: Literal["HYBRID", "E4M3"] = "HYBRID",
+        amax_history_len: int = 1024,
+        amax_compute_algo: AmaxAlgo = "max",
+        reduce_amax: bool = True,
+    ) -> EmulationRecipe:
+        """Transformer Engine's ``DelayedScaling`` (its defaults: ``margin=0``,
+        ``Format.HYBRID``, ``amax_history_len=1024``, ``amax_compute_algo="max"``,
+        ``reduce_amax=True``): one tensor-wise scale per layer and per tensor (X, W, dY),
+        each from that tensor's own amax history (``fl(fp8_max * 2**-margin) / amax_h``),
+        e4m3 X and W, e5m2 dY (``"E4M3"``: e4m3 too). Each tensor is cast once per step
+        and its FP8 copy used in both GEMMs it enters; the forward scales update when the
+        model's forward returns (with grad enabled), the gradient's when the backward
+        ends, after a MAX all-reduce of every layer's amaxes over the amax group
+        (``emulate(amax_group=)``, else the default group when distributed). Amaxes skip
+        NaN elements as TE's cast kernels do. The state: ``emulate(...).scaling``
+        (:mod:`floatguard.emulation._scale_state`)."""
+        if fp8_format not in ("HYBRID", "E4M3"):
+            raise ValueError(f"te_delayed: fp8_format={fp8_format!r}; use 'HYBRID' or 'E4M3'")
+
+        def d(fmt: str) -> Delayed:
+            return Delayed(fmt, history_len=amax_history_len, algo=amax_compute_algo,
+                           margin=margin, nan_policy="skip_elements")  # fmt: skip
+
+        fwd = "e4m3fn"
+        return cls(
+            d(fwd), d(fwd), d("e5m2" if fp8_format == "HYBRID" else "e4m3fn"),
+            reduce_amax=reduce_amax,
+        )  # fmt: skip
 
     @classmethod
     def hybrid_rowwise(cls) -> EmulationRecipe:

@@ -220,12 +220,24 @@ class Tensorwise(TensorRecipe):
         _check_nan_policy("Tensorwise", self.nan_policy)
 
     def __call__(self, x: torch.Tensor) -> QuantResult:
+        return self.with_amax(x, *self.amax(x))
+
+    def amax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's amax under this recipe's ``nan_policy`` (0-dim) and the NaN elements skipped."""
+        return _amax_and_skipped(x, None, self.nan_policy)
+
+    def with_amax(
+        self, x: torch.Tensor, amax: torch.Tensor, skipped: torch.Tensor | None = None
+    ) -> QuantResult:
+        """x quantized with the scale of ``amax`` (e.g. the amax of the whole tensor after a
+        MAX all-reduce over the ranks holding its shards, Transformer Engine's amax
+        reduction)."""
         f = get(self.fmt)
-        amax, skipped = _amax_and_skipped(x, None, self.nan_policy)
         q, scale, fell = _scaled_quantize(
             x, amax, f, eps=self.eps, power_of_two=self.power_of_two, storage=self.storage
         )
-        return QuantResult(q.to(x.dtype), scale, fell.sum(), skipped)
+        nan = _no_skips(x) if skipped is None else skipped
+        return QuantResult(q.to(x.dtype), scale, fell.sum(), nan)
 
 
 @dataclass(frozen=True)
@@ -314,7 +326,10 @@ class Block(TensorRecipe):
         """128x128 blocks, e4m3, fp32 scales (weights)."""
         return cls("e4m3fn", (128, 128), "fp32")
 
-    def __call__(self, x: torch.Tensor) -> QuantResult:
+    def __call__(self, x: torch.Tensor, *, source: torch.dtype | None = None) -> QuantResult:
+        """``source``: the dtype x had before it was widened (an emulated bf16 layer hands
+        its operands over as float32): it picks ``value_for_inf``, as TE's kernel's
+        input type does; None: x's dtype."""
         f = get(self.fmt)
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
         rows, cols = x2.shape
@@ -325,7 +340,7 @@ class Block(TensorRecipe):
         amax, skipped = _amax_and_skipped(blocks, (1, 3), self.nan_policy)
         q, s, fell = _scaled_quantize(
             blocks, amax, f, eps=self.eps, power_of_two=self.scale == "pow2",
-            storage=self.storage, value_for_inf=_value_for_inf(x.dtype),
+            storage=self.storage, value_for_inf=_value_for_inf(source or x.dtype),
         )  # fmt: skip
         q = q.reshape(rows + pr, cols + pc)
         q = q[:rows, :cols].reshape(x.shape).to(x.dtype)
