@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from floatguard.emulation._delayed import Delayed
 from floatguard.emulation._emulated_layers import (
     EmulatedConv,
     EmulatedLinear,
@@ -26,6 +27,7 @@ from floatguard.emulation._emulated_layers import (
 from floatguard.emulation._gemm import _emulated_gemm
 from floatguard.emulation._scale_state import LayerCasts, ScalingState, uses_delayed
 from floatguard.emulation.emulation_recipe import EmulationRecipe
+from floatguard.emulation.recipes import Tensorwise
 from floatguard.errors import FloatguardError
 
 __all__ = ["Coverage", "NothingToEmulate", "emulate", "is_emulated", "restore"]
@@ -352,6 +354,7 @@ def emulate(
     n_skipped = 0
     inside_mha: list[str] = []
     mha_hooked = False
+    sharded = 0
     if isinstance(model, _OTHER_GEMMS):  # a bare nn.LSTM, nn.Conv3d, ...: "" is its path
         left.setdefault(type(model).__name__, []).append("")
     for name, module in list(model.named_modules()):
@@ -391,6 +394,7 @@ def emulate(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _emulated_for(module, recipe, name, state))
         swapped.append(name)
+        sharded += type(getattr(module, "weight", None)).__name__ == "DTensor"
     coverage = Coverage(swapped, left, attention, scaling=state)
     if not swapped and not attention:
         found = sorted({type(m).__name__ for n, m in model.named_modules()
@@ -402,6 +406,14 @@ def emulate(
             f"{', '.join(found[:8]) or 'no submodule'})"
         )
         raise NothingToEmulate(f"emulate covered no layer: {why}")
+    tensorwise = any(isinstance(r, (Tensorwise, Delayed)) for r in recipe.operands().values())
+    if sharded and tensorwise and state is None:
+        logging.getLogger("floatguard").warning(
+            "emulate: %d tensor-parallel layer(s) (DTensor weights) with tensor-wise scales and "
+            "no amax_group: each shard is scaled from its own amax, not the whole tensor's; "
+            "pass emulate(..., amax_group=mesh.get_group()) for TE's amax reduction",
+            sharded,
+        )
     if attention or mha_hooked:
         _ROOT[model] = _RootHooks(model, recipe, attention=attention, mha=mha_hooked)
         coverage = Coverage(swapped, left, attention, _ROOT[model], state)

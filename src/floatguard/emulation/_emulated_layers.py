@@ -81,10 +81,20 @@ class _Emulated(nn.Module):
         self.weight = weight
         self.bias = getattr(original, "bias", None)
         self.recipe = recipe
+        if _is_dtensor(weight):
+            # torch's tensor-parallel styles hook the module they parallelized (inputs to
+            # DTensors, outputs back to local tensors): the emulated module runs them too.
+            self._forward_pre_hooks = original._forward_pre_hooks
+            self._forward_hooks = original._forward_hooks
 
     def original_module(self) -> nn.Module:
         """The module this one replaced (what :func:`restore` puts back)."""
         return self.original[0]
+
+
+def _is_dtensor(t: object) -> bool:
+    """Whether t is a DTensor (without importing torch.distributed.tensor when unused)."""
+    return type(t).__name__ == "DTensor" or any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
 def source_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -109,12 +119,56 @@ class EmulatedLinear(_Emulated):
         self.in_features, self.out_features = int(in_f), int(out_f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_dtensor(self.weight):
+            return self._sharded(x)
         # Blocks of the weight run along the reduction dim, as for nn.Linear's (out, in).
         w = self.weight.float().t() if self.transposed else self.weight.float()
         y = _emulated_gemm(x.float(), w, self.recipe, self.casts, source_dtype(x))
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
+
+    def _sharded(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel layer (its weight a DTensor on a 1-D mesh, as torch's
+        ``ColwiseParallel`` / ``RowwiseParallel`` leave it): the emulated GEMM runs on the
+        local shards, as each rank's kernel does. Column-wise (W ``Shard(0)``, X
+        replicated): the output is ``Shard(-1)``; row-wise (W ``Shard(1)``, X
+        ``Shard(-1)``): a ``Partial`` sum, reduced when the bias (replicated) is added
+        or by the layer's output hook. Each shard's tensor-wise scale comes from its own
+        amax unless ``emulate(amax_group=)`` names the mesh's group."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        w = self.weight
+        assert isinstance(w, DTensor)
+        mesh, (wp,) = w.device_mesh, w.placements if len(w.placements) == 1 else (None,)
+        xp = x.placements[0] if isinstance(x, DTensor) and len(x.placements) == 1 else None
+        dim = (wp.dim % 2) if isinstance(wp, Shard) else None
+        if self.transposed and dim is not None:
+            dim = 1 - dim  # Conv1D stores (in, out)
+        colwise = dim == 0 and (xp is None or isinstance(xp, Replicate))
+        rowwise = dim == 1 and isinstance(xp, Shard) and xp.dim % x.dim() == x.dim() - 1
+        if mesh.ndim != 1 or not (colwise or rowwise):
+            raise NotImplementedError(
+                f"emulate: tensor-parallel layer with weight placements {w.placements} and "
+                f"input placements {getattr(x, 'placements', 'plain tensor')}; emulated are "
+                "a 1-D mesh with W Shard(0) and X replicated (ColwiseParallel) or W Shard(1) "
+                "and X Shard(-1) (RowwiseParallel)"
+            )
+        xl = x.to_local() if isinstance(x, DTensor) else x
+        wl = w.to_local().float()
+        wl = wl.t() if self.transposed else wl
+        y = _emulated_gemm(xl.float(), wl, self.recipe, self.casts, source_dtype(xl)).to(xl.dtype)
+        b = self.bias
+        if colwise:
+            if b is not None:
+                bl = b.to_local() if isinstance(b, DTensor) else b
+                y = y + bl.to(y.dtype)
+            return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
+        out: torch.Tensor = DTensor.from_local(y, mesh, [Partial()], run_check=False)
+        if b is not None:
+            bd = b if isinstance(b, DTensor) else DTensor.from_local(b, mesh, [Replicate()])
+            out = out + bd
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, recipe={self.recipe}"
