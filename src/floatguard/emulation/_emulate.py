@@ -25,6 +25,7 @@ from floatguard.emulation._emulated_layers import (
     source_dtype,
 )
 from floatguard.emulation._gemm import _emulated_gemm
+from floatguard.emulation._grouped import GroupedHooks, expert_parameters
 from floatguard.emulation._scale_state import LayerCasts, ScalingState, uses_delayed
 from floatguard.emulation.emulation_recipe import EmulationRecipe
 from floatguard.emulation.recipes import Tensorwise
@@ -157,6 +158,7 @@ class _MHAHooks:
 _ROOT: weakref.WeakKeyDictionary[nn.Module, _RootHooks] = weakref.WeakKeyDictionary()
 _MHA: weakref.WeakKeyDictionary[nn.Module, _MHAHooks] = weakref.WeakKeyDictionary()
 _STATE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_GROUPED: weakref.WeakKeyDictionary[nn.Module, GroupedHooks] = weakref.WeakKeyDictionary()
 
 
 class Coverage(list[str]):
@@ -244,7 +246,10 @@ def is_emulated(model: nn.Module) -> bool:
     """Whether :func:`emulate` was applied to ``model`` or to one of its submodules (and
     not undone by :func:`restore`)."""
 
-    return any(isinstance(m, _Emulated) or m in _MHA or m in _ROOT for m in model.modules())
+    return any(
+        isinstance(m, _Emulated) or m in _MHA or m in _ROOT or m in _GROUPED
+        for m in model.modules()
+    )
 
 
 def _emulated_for(
@@ -307,6 +312,13 @@ def emulate(
     is itself one of the covered layers (``emulate(nn.Linear(4, 4), ...)``): modules are
     swapped in their parent, and the object you hold cannot be replaced; wrap it in an
     ``nn.Sequential``.
+
+    Mixture-of-experts layers: the model's 3-D parameters (expert weights) are emulated
+    expert by expert wherever the forward multiplies them with ``torch._grouped_mm`` /
+    ``F.grouped_mm`` or with ``F.linear`` on one expert's slice (transformers' eager
+    experts): each expert's GEMMs get the recipe's scales on that expert's tokens
+    (:mod:`floatguard.emulation._grouped`); listed in the result as ``module.param``;
+    not with ``modules=`` given, nor with a Delayed recipe (left in high precision).
 
     Scaling state. A recipe with :class:`~floatguard.emulation.Delayed` operands
     (:meth:`EmulationRecipe.te_delayed`) gets an amax history and scale per layer and per
@@ -395,6 +407,19 @@ def emulate(
         setattr(parent, child, _emulated_for(module, recipe, name, state))
         swapped.append(name)
         sharded += type(getattr(module, "weight", None)).__name__ == "DTensor"
+    experts: dict[int, str] = {}
+    if not modules:  # MoE experts: 3-D parameters multiplied by grouped GEMMs
+
+        def skipped_expert(name: str, module: nn.Module) -> bool:
+            return bool(skip(name, module) if callable(skip) else any(s in name for s in skip))
+
+        experts, left_experts = expert_parameters(model, skipped_expert)
+        if delayed and experts:  # per-expert delayed scaling state is not emulated
+            left_experts += list(experts.values())
+            experts = {}
+        if left_experts:
+            left.setdefault("grouped GEMM", []).extend(left_experts)
+        swapped += list(experts.values())
     coverage = Coverage(swapped, left, attention, scaling=state)
     if not swapped and not attention:
         found = sorted({type(m).__name__ for n, m in model.named_modules()
@@ -419,6 +444,8 @@ def emulate(
         coverage = Coverage(swapped, left, attention, _ROOT[model], state)
     if state is not None and delayed:
         _STATE[model] = model.register_forward_hook(state.after_forward, always_call=True)
+    if experts:
+        _GROUPED[model] = GroupedHooks(model, recipe, experts)
     logging.getLogger("floatguard").info("emulate: %s", coverage.summary())
     return coverage
 
@@ -443,4 +470,8 @@ def restore(model: nn.Module) -> list[str]:
     handle = _STATE.pop(model, None)
     if handle is not None:
         handle.remove()
+    grouped = _GROUPED.pop(model, None)
+    if grouped is not None:
+        grouped.remove()
+        names += list(grouped.experts.values())
     return names

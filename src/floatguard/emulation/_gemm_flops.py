@@ -92,6 +92,16 @@ def _registry(packet: Any) -> _Formula:
     return lambda a, k, out: int(formula(*a, **k, out_val=out))
 
 
+def _grouped(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> int:
+    """``_grouped_mm`` / ``_scaled_grouped_mm``: every group's product, ``2 M N K`` summed.
+    2-D x 2-D (the MoE weight gradient, ``[K, M_total] x [M_total, N]`` grouped along
+    the tokens): ``2 K M_total N``; every other layout: the output's elements times
+    ``2 K`` (K = ``a``'s last dim)."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * int(a.shape[0]) * int(a.shape[1]) * int(b.shape[1])
+    return 2 * _numel(out.shape) * int(a.shape[-1])
+
+
 GEMM_OPS: dict[Any, _Formula] = {
     aten.mm: lambda a, k, out: _mm(a[0], a[1]),
     aten.bmm: lambda a, k, out: _mm(a[0], a[1]),
@@ -141,6 +151,10 @@ for _packet in (
     aten._efficient_attention_forward, aten._efficient_attention_backward,
 ):  # fmt: skip
     GEMM_OPS[_packet] = _registry(_packet)
+
+for _name in ("_grouped_mm", "_scaled_grouped_mm"):  # torch >= 2.8 (MoE grouped GEMMs)
+    if hasattr(aten, _name):
+        GEMM_OPS[getattr(aten, _name)] = lambda a, k, out: _grouped(a[0], a[1], out)
 
 # Ops that look like GEMMs by name but are not: pointwise cell updates, the SDPA backend choice.
 _NOT_GEMMS = frozenset({
