@@ -9,10 +9,20 @@
    without stochastic rounding, without 16x16 weight tiles, with a BF16 last layer);
    with the layers and the share of GEMM FLOPs each run emulates.
    A GPT-2 built from a transformers config (Conv1D layers) shows its coverage too.
-2. An emulated Linear (4096 x 4096 weight, 2048 tokens, HYBRID block recipe) forward +
+   TE's delayed scaling (``te_delayed``: an amax history and scale per layer and
+   tensor) is a row too.
+2. A mixture-of-experts model (transformers' Mixtral from a config: 2 layers, d=64, 4
+   experts, top-2, its experts multiplied by ``F.grouped_mm``) trained 150 steps on the
+   same synthetic task: fp32 against MXFP8 and NVFP4 training with every expert's GEMMs
+   emulated (the LM head kept), with the GEMM FLOP share emulated. Needs transformers
+   (the floatguard[hf] extra).
+3. An emulated Linear (4096 x 4096 weight, 2048 tokens, HYBRID block recipe) forward +
    backward vs a plain float32 Linear, median of a few repeats.
 
-    python benchmarks/bench_fp8_emulation.py [--repeats R]
+    python benchmarks/bench_fp8_emulation.py [--repeats R] [--rows delayed,moe]
+
+``--rows``: only the rows whose name contains one of these (case-insensitive; fp32 is
+always run), and ``moe`` for the MoE table.
 """
 
 from __future__ import annotations
@@ -111,10 +121,65 @@ def gpt2_coverage() -> str | None:
     return "\n".join(lines)
 
 
+def moe_rows(steps: int = 150) -> list[str] | None:
+    """The MoE table's rows (None without transformers): held-out loss after ``steps``
+    AdamW steps on the tiny GPT's synthetic task, same seed, batches and order."""
+    try:
+        from transformers import MixtralConfig, MixtralForCausalLM
+    except ImportError:
+        return None
+    from floatguard.demo import TINY
+    from floatguard.demo.model import synthetic_batch
+    from floatguard.emulation import emulate
+
+    cfg = MixtralConfig(
+        vocab_size=TINY.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=TINY.block_size,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    train = [synthetic_batch(TINY, 16, generator=gen) for _ in range(steps)]
+    held = [synthetic_batch(TINY, 16, generator=gen) for _ in range(4)]
+
+    def loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits = m(input_ids=b[0]).logits
+        return F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), b[1].reshape(-1))
+
+    def run(recipe: EmulationRecipe | None, reorder: bool = False) -> tuple[float, str]:
+        torch.manual_seed(0)
+        model = MixtralForCausalLM(cfg)
+        model.set_experts_implementation("grouped_mm")
+        share = "-"
+        if recipe is not None:
+            cov = audit_coverage(model, train[0], recipe, loss_fn=loss, skip=("lm_head",))
+            share = f"{cov.share:.1%}"
+            emulate(model, recipe, skip=("lm_head",))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        order = list(reversed(train)) if reorder else train  # the noise row: another order
+        for b in order:
+            opt.zero_grad(set_to_none=True)
+            loss(model, b).backward()
+            opt.step()
+        with torch.no_grad():
+            return statistics.fmean(float(loss(model, b)) for b in held), share
+
+    e = EmulationRecipe
+    rows = {"fp32": None, "MXFP8 (e4m3, 32-blocks, E8M0 rceil)": e.mxfp8(),
+            "NVFP4 training (RHT wgrad, 16x16 weights, SR grads)": e.nvfp4_training(
+                skip=("lm_head",))}  # fmt: skip
+    results = {name: run(r) for name, r in rows.items()}
+    results["fp32, the batches in reverse order (noise)"] = run(None, reorder=True)
+    ref = results["fp32"][0]
+    return [f"| {n} | {v:.4f} | {(v / ref - 1) * 100:+.2f}% | {sh} |"
+            for n, (v, sh) in results.items()]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", default="", help="comma-separated row-name substrings")
     args = parser.parse_args()
+    wanted = [w.strip().lower() for w in args.rows.split(",") if w.strip()]
     print(
         f"# FP8 emulation benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads\n"
     )
@@ -123,6 +188,12 @@ def main() -> None:
         "fp32": lambda: train_tiny(None),
         "bf16 autocast": lambda: train_tiny(None, precision=torch.bfloat16),
         "e4m3 tensorwise (HYBRID, TE current scaling)": lambda: train_tiny(e.hybrid_tensorwise()),
+        "TE delayed scaling (HYBRID, history 1024, per layer and tensor)": lambda: train_tiny(
+            e.te_delayed()
+        ),
+        "TE delayed scaling, history 16, margin 1": lambda: train_tiny(
+            e.te_delayed(margin=1, amax_history_len=16)
+        ),
         "rowwise, torchao axes, HYBRID formats": lambda: train_tiny(e.hybrid_rowwise()),
         "torchao rowwise (e4m3, power-of-two scales)": lambda: train_tiny(e.torchao_rowwise()),
         "e4m3 1x128 / 128x128 blocks (HYBRID, TE block scaling)": lambda: train_tiny(
@@ -149,6 +220,8 @@ def main() -> None:
             e.nvfp4_training(skip=("head", "blocks.1.mlp.proj"))
         ),
     }
+    if wanted:
+        runs = {n: f for n, f in runs.items() if n == "fp32" or any(w in n.lower() for w in wanted)}
     losses = {name: fn() for name, fn in runs.items()}
     ref = losses["fp32"]
     print("| tiny GPT, 300 steps, same seed | held-out loss | vs fp32 | layers emulated "
@@ -161,6 +234,14 @@ def main() -> None:
             audits[recipe, attention] = coverage(recipe, attention)
         layers, share = ("-", "-") if recipe is None else audits[recipe, attention]
         print(f"| {name} | {loss:.4f} | {(loss / ref - 1) * 100:+.2f}% | {layers} | {share} |")
+    if not wanted or "moe" in wanted:
+        moe = moe_rows()
+        print("\n| Mixtral MoE (4 experts, top-2, grouped_mm), 150 steps | held-out loss "
+              "| vs fp32 | GEMM FLOPs emulated |")  # fmt: skip
+        print("|---|---:|---:|---:|")
+        print("\n".join(moe) if moe else "transformers not installed")
+    if wanted:
+        return
     gpt2 = gpt2_coverage()
     print(f"\nGPT-2 from a config (Conv1D), HYBRID block, LM head skipped, attention=True:"
           f"\n{gpt2 or 'transformers not installed'}")  # fmt: skip

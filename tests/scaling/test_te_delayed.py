@@ -254,3 +254,36 @@ def test_amaxes_are_reduced_across_ranks_as_te_does(tmp_path: Path) -> None:
     # the difference users hit without the reduction: the ranks' scales disagree
     assert local[0]["scales"][-1] != local[1]["scales"][-1]
     assert res[0]["scales"][-1] == res[1]["scales"][-1]
+
+
+def test_attention_projections_of_nn_transformer_get_delayed_state() -> None:
+    """nn.MultiheadAttention's projections (cross-attention splits in_proj_weight into
+    q and kv views) are delayed-scaled per projection weight."""
+    torch.manual_seed(0)
+    m = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
+                       dim_feedforward=64, batch_first=True, dropout=0.0)  # fmt: skip
+    cov = emulate(m, EmulationRecipe.te_delayed(amax_history_len=4))
+    assert cov.scaling is not None
+    for _ in range(2):
+        m(torch.randn(2, 5, 32), torch.randn(2, 4, 32)).square().mean().backward()
+    hist = cov.scaling.histories()
+    name = "decoder.layers.0.multihead_attn"
+    assert int((hist[f"{name}.in_proj_weight"]["weight"] != 0).sum()) == 2  # one per step
+    assert int((hist[f"{name}.out_proj.weight"]["grad"] != 0).sum()) == 2
+    # (a gradient below e5m2's range at the first step's scale of 1 flushes to zero and
+    # records nothing upstream: TE's delayed scaling does the same)
+
+
+def test_bad_delayed_settings_are_named() -> None:
+    with pytest.raises(ValueError, match=r"margin=200: .* is 0 in float32"):
+        EmulationRecipe.te_delayed(margin=200)
+    with pytest.raises(ValueError, match=r"fmt='e9m9': its max .* past float32's range"):
+        Delayed("e9m9")
+    with pytest.raises(TypeError, match=r"amax_group=.world. must be a torch\.distributed"):
+        emulate(mlp(), EmulationRecipe.te_delayed(), amax_group="world")
+    a, b = mlp(), mlp()
+    ca = emulate(a, EmulationRecipe.te_delayed(amax_history_len=16))
+    cb = emulate(b, EmulationRecipe.te_delayed(amax_history_len=4))
+    assert ca.scaling is not None and cb.scaling is not None
+    with pytest.raises(ValueError, match=r"history of \(16,\) into a recipe with history_len=4"):
+        cb.scaling.load_state_dict(ca.scaling.state_dict())

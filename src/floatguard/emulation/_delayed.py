@@ -100,6 +100,18 @@ class Delayed:
         ):
             raise ValueError(f"Delayed.margin={self.margin!r} must be a finite number")
         _check_nan_policy("Delayed", self.nan_policy)
+        f = get(self.fmt)
+        if not (0 < f.max <= FLT_MAX):
+            raise ValueError(
+                f"Delayed.fmt={self.fmt!r}: its max {f.max:g} is past float32's range; "
+                "delayed scales are float32 (use an FP8 format such as 'e4m3fn' or 'e5m2')"
+            )
+        if not 0 < self.scaled_max <= FLT_MAX:
+            raise ValueError(
+                f"Delayed.margin={self.margin!r}: fl({self.fmt} max * 2**-margin) is "
+                f"{self.scaled_max:g} in float32, no usable scale; TE's margins are small "
+                "non-negative integers (0, 1, 2)"
+            )
 
     @property
     def scaled_max(self) -> float:

@@ -136,9 +136,11 @@ class _MHAHooks:
     def _linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        y = _emulated_gemm(
-            x.float(), weight.float(), self.recipe, self.casts.get(id(weight)), source_dtype(x)
-        )
+        root = weight  # cross-attention splits in_proj_weight into q and kv views
+        while root._base is not None:
+            root = root._base
+        casts = self.casts.get(id(weight), self.casts.get(id(root)))
+        y = _emulated_gemm(x.float(), weight.float(), self.recipe, casts, source_dtype(x))
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
@@ -348,6 +350,11 @@ def emulate(
             "e.g. model = nn.Sequential(model), then emulate(model, recipe)"
         )
     check_skip(skip, "emulate")
+    if amax_group is not None and type(amax_group).__name__ != "ProcessGroup":
+        raise TypeError(
+            f"emulate: amax_group={amax_group!r} must be a torch.distributed ProcessGroup "
+            "(e.g. mesh.get_group() or dist.new_group(...)) or None"
+        )
     delayed = uses_delayed(recipe)
     if delayed and attention:
         raise ValueError(

@@ -105,10 +105,13 @@ def expert_parameters(
     model: nn.Module, skipped: Callable[[str, nn.Module], bool]
 ) -> tuple[dict[int, str], list[str]]:
     """The model's 3-D parameters (expert weights), by id, named ``module.param``; and
-    the names of those left out because ``skipped(module_name, module)`` says so."""
+    the names of those left out because ``skipped(module_name, module)`` says so. The
+    parameters of torch's own modules (nn.Bilinear, convolutions) are not experts."""
     kept: dict[int, str] = {}
     left: list[str] = []
     for mname, module in model.named_modules():
+        if type(module).__module__.startswith(("torch.", "floatguard.")):
+            continue  # torch's own layers (a Bilinear's or a conv's 3-D weight), ours
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() != 3:
                 continue

@@ -187,6 +187,16 @@ class ScalingState:
             )
         for n, roles in sd.items():
             for r, st in roles.items():
+                scaler = self.layers[n].scalers[r]
+                hist = st.get("history")
+                if hist is not None and tuple(hist.shape) != (scaler.recipe.history_len,):
+                    raise ValueError(
+                        f"ScalingState.load_state_dict: {n} {r}: an amax history of "
+                        f"{tuple(hist.shape)} into a recipe with history_len="
+                        f"{scaler.recipe.history_len}; build the recipe with the checkpoint's"
+                    )
+        for n, roles in sd.items():
+            for r, st in roles.items():
                 self.layers[n].scalers[r].load_state_dict(st)
 
 
