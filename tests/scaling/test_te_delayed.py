@@ -287,3 +287,37 @@ def test_bad_delayed_settings_are_named() -> None:
     assert ca.scaling is not None and cb.scaling is not None
     with pytest.raises(ValueError, match=r"history of \(16,\) into a recipe with history_len=4"):
         cb.scaling.load_state_dict(ca.scaling.state_dict())
+
+
+def test_an_activation_checkpoint_recompute_uses_the_forwards_scales() -> None:
+    """torch.utils.checkpoint recomputes the forward inside the backward, after the
+    forward scales updated: the recompute must use the scales the forward used and
+    record nothing (TE copies the forward's scales for it), so the gradients equal the
+    model's without checkpointing, step after step."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ck(nn.Module):
+        def __init__(self, ck: bool) -> None:
+            super().__init__()
+            self.m = mlp()
+            self.ck = ck
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.ck:
+                out: torch.Tensor = checkpoint(self.m, x, use_reentrant=False)
+                return out
+            return self.m(x)
+
+    plain, ck = Ck(False), Ck(True)
+    cp = emulate(plain, EmulationRecipe.te_delayed(amax_history_len=4))
+    cc = emulate(ck, EmulationRecipe.te_delayed(amax_history_len=4))
+    for step in range(4):
+        x, r, _ = data(step)
+        for model in (plain, ck):
+            model.zero_grad()
+            (model(x) * r).sum().backward()
+        for p, q in zip(plain.parameters(), ck.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            assert torch.equal(p.grad, q.grad), step
+        assert cp.scaling is not None and cc.scaling is not None
+        assert as_floats(cp.scaling.scales()) == as_floats(cc.scaling.scales())

@@ -28,6 +28,7 @@ from floatguard.emulation._core import (
     _amax_and_skipped,
     _check_nan_policy,
     _f32_quotient,
+    _no_skips,
 )
 from floatguard.formats.registry import get
 from floatguard.formats.rounding import quantize
@@ -150,6 +151,7 @@ class DelayedScaler:
     scale: torch.Tensor | None = None
     steps: int = field(default=0)
     pending: torch.Tensor | None = None
+    last_used: torch.Tensor | None = None
 
     def init(self, device: torch.device | str) -> None:
         """Create the state on ``device`` (zeros, scale 1) if it does not exist yet."""
@@ -159,12 +161,22 @@ class DelayedScaler:
         if self.pending is None:
             self.pending = torch.zeros((), device=self.history.device)
 
-    def cast(self, x: torch.Tensor) -> QuantResult:
-        """x quantized with the current scale; its amax is folded into the pending one."""
+    def cast(self, x: torch.Tensor, *, recompute: bool = False) -> QuantResult:
+        """x quantized with the current scale; its amax is folded into the pending one.
+        ``recompute``: an activation-checkpointing recompute of a forward that already
+        ran: the scale that forward used, nothing recorded (TE copies the forward's
+        scales for the recompute)."""
         r = self.recipe
         self.init(x.device)
         assert self.scale is not None and self.pending is not None
+        if recompute and self.last_used is not None:
+            used = self.last_used
+            values = (
+                quantize(x.to(torch.float32) * used, get(r.fmt), overflow="saturate") / used
+            ).to(x.dtype)
+            return QuantResult(values, used, torch.zeros((), dtype=torch.int64), _no_skips(x))
         used = self.scale.clone()
+        self.last_used = used
         values = (quantize(x.to(torch.float32) * used, get(r.fmt), overflow="saturate") / used).to(
             x.dtype
         )

@@ -341,8 +341,11 @@ def emulate(
                 "only subclasses of nn.Linear, nn.Conv1d, nn.Conv2d or nn.MultiheadAttention "
                 f"can be emulated, got {m!r}"
             )
-    if model in _ROOT:
-        raise ValueError("emulate() was already applied to this model; restore() first")
+    if model in _ROOT or is_emulated(model):
+        raise ValueError(
+            "emulate() was already applied to this model (or to one of its submodules); "
+            "restore() it first"
+        )
     if isinstance(model, (*_EMULATABLE, nn.MultiheadAttention)) or _is_conv1d(model):
         raise NothingToEmulate(
             f"emulate: the model is itself an {type(model).__name__}; emulate() swaps "

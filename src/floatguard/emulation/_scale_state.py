@@ -230,7 +230,10 @@ class LayerCasts:
             role = ROLE[op]
             if role == "grad":
                 self.state.grad_cast()
-            return self.scalers[role].cast(t)
+                return self.scalers[role].cast(t)
+            # a forward cast while a backward runs: activation checkpointing's recompute
+            recompute = torch._C._current_graph_task_id() >= 0
+            return self.scalers[role].cast(t, recompute=recompute)
         if isinstance(recipe, Tensorwise) and self.state.reducing():
             amax, skipped = recipe.amax(t)
             return recipe.with_amax(t, self.state.reduce(amax), skipped)
