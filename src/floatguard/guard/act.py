@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from floatguard.guard import policy
+from floatguard.guard.deferred import SpeculativeUpdate
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import StepVerdict
 from floatguard.guard.persist import RunState
@@ -70,16 +71,26 @@ class Actor:
         verdict: StepVerdict,
         snapshot: Snapshotter,
         batch: dict[str, Any] | None = None,
+        speculative: tuple[SpeculativeUpdate, bool] | None = None,
     ) -> tuple[Action, policy.LadderState]:
         """Carry ``verdict`` out; the action taken and the policy's state after it.
-        ``batch``: the step's batch identity, for its fault and spike events."""
+        ``batch``: the step's batch identity, for its fault and spike events.
+        ``speculative``: a deferred step's update, already run on the device, and whether
+        the device kept it: an applied step is then booked only (or run now, when the
+        device blocked what the host applies), a step not applied is undone first."""
         decision, fault = verdict.decision, verdict.fault
+        if speculative is not None and decision.response != "apply":
+            update, kept = speculative
+            if kept:
+                update.undo()
+            else:
+                update.settled(False)
         if fault is not None:
             self.emit.fault(step, fault, decision.cause, batch)
             for other in verdict.also:  # another rank's own fault of the same step
                 self.emit.fault(step, other, decision.cause, batch)
         if decision.response == "apply":
-            return "applied", self._apply(step, read, verdict, snapshot)
+            return "applied", self._apply(step, read, verdict, snapshot, speculative)
         self.state.restore_buffers()  # a step not applied leaves no trace in them
         if decision.response == "backoff_scale":
             before = self.scaler.get_scale()
@@ -107,7 +118,12 @@ class Actor:
         return action, decision.state
 
     def _apply(
-        self, step: int, read: StepRead, verdict: StepVerdict, snapshot: Snapshotter
+        self,
+        step: int,
+        read: StepRead,
+        verdict: StepVerdict,
+        snapshot: Snapshotter,
+        speculative: tuple[SpeculativeUpdate, bool] | None = None,
     ) -> policy.LadderState:
         """Apply the step whole, or leave no trace of it: the scheduler is stepped first
         (its new hyper-parameters held back until the update ran: a scheduler that
@@ -125,7 +141,8 @@ class Actor:
                 # The weights just gave a finite loss and gradients, and were vetted.
                 state = snapshot(step, verdict.amax, state)
             params, grads, _ = self.reader.params_with_grads()
-            self.clipper.apply(params, grads, verdict.clip[0])
+            if speculative is None:
+                self.clipper.apply(params, grads, verdict.clip[0])  # (deferred: on device)
             # Everything the step changes besides the weights, before the update (none
             # of it is read by the update), so nothing can raise after it.
             scheduled = self._schedule(read.loss if self.metric is None else self.metric)
@@ -137,7 +154,12 @@ class Actor:
             if self.stall is not None:
                 self.stall.before(verdict.decision.state.lr_factor)
             versions = [p._version for p in params]
-            self._optimizer_step(verdict.decision.state.lr_factor)
+            if speculative is None or not speculative[1]:
+                if speculative is not None:  # the device blocked what the host applies
+                    speculative[0].settled(False)
+                self._optimizer_step(verdict.decision.state.lr_factor)
+            else:
+                speculative[0].settled(True)  # the device's update stands
         except BaseException as e:
             self._restore_light(saved)
             if any(p._version != v for p, v in zip(params, versions, strict=False)):
@@ -201,6 +223,10 @@ class Actor:
         after = _hypers(self.optimizer)
         _set_hypers(self.optimizer, before)
         return after
+
+    def optimizer_step(self, lr_factor: float) -> None:
+        """``optimizer.step()`` with the LR factor (a deferred step's gated update)."""
+        self._optimizer_step(lr_factor)
 
     def _optimizer_step(self, lr_factor: float) -> None:
         """``optimizer.step()`` with the LR factor applied around it only (a scheduler

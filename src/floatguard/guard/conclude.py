@@ -16,6 +16,7 @@ import torch
 
 from floatguard.causes import CAUSES, Cause
 from floatguard.guard.crew import Crew
+from floatguard.guard.deferred import SpeculativeUpdate
 from floatguard.guard.judge import StepVerdict
 from floatguard.guard.read import StepRead
 from floatguard.guard.types import Closure, StepResult
@@ -34,9 +35,15 @@ class StepEnd:
         self._c, self._scaler, self._optimizer = crew, scaler, optimizer
 
     def act(
-        self, step: int, read: StepRead, verdict: StepVerdict, closures: Sequence[Closure] = ()
+        self,
+        step: int,
+        read: StepRead,
+        verdict: StepVerdict,
+        closures: Sequence[Closure] = (),
+        speculative: tuple[SpeculativeUpdate, bool] | None = None,
     ) -> StepResult:
-        """Carry out ``verdict`` for ``step`` and return (and emit) its result."""
+        """Carry out ``verdict`` for ``step`` and return (and emit) its result
+        (``speculative``: a deferred step's device update and whether it was kept)."""
         c = self._c
         scale = self._scaler.get_scale()
         lr = self.lr(verdict.decision.state.lr_factor)  # what the update uses
@@ -52,7 +59,7 @@ class StepEnd:
             )
         try:
             action, c.run.ladder = c.actor.act(
-                step, read, verdict, c.checkpoint.before_update, batch
+                step, read, verdict, c.checkpoint.before_update, batch, speculative
             )
         except GuardStopped:
             c.run.ladder = verdict.decision.state

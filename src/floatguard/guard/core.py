@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.guard import policy
 from floatguard.guard._setup import (
     check_args,
+    check_deferred,
     check_log_path,
 )
 from floatguard.guard.conclude import StepEnd
@@ -123,6 +124,7 @@ class Guard:
         step_scheduler: bool = True,
         clipped_before: bool = False,
         trend: TrendPolicy | None = None,
+        sync: Literal["exact", "deferred"] = "exact",
     ) -> None:
         check_args(model, optimizer, precision, watch, scaler, stats_every, peer_timeout_s)
         if peer_grace_s is not None:
@@ -162,6 +164,9 @@ class Guard:
             step_scheduler=step_scheduler, trend=trend,
         )  # fmt: skip
         self._end = StepEnd(self._c, self._scaler, optimizer)
+        self._deferred = check_deferred(
+            sync, self._distributed, self._clip, self._c, self._end, optimizer, model
+        )
         self._ended = False
         self._c.emit.run(
             precision,
@@ -237,6 +242,7 @@ class Guard:
         """Backward of the (scaled, for fp16) loss; the loss is kept for the step's
         decision. May be called several times before :meth:`step` (gradient
         accumulation): the step is decided on the mean loss."""
+        self.settle()
         self._c.runner.backward(loss)
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -269,10 +275,11 @@ class Guard:
         ``metric``: what a metric-driven scheduler (``ReduceLROnPlateau``) is stepped
         with when the step is applied (default: the step's loss).
         """
-        self._c.actor.metric = (
-            None if metric is None else float(metric)  # a tensor is read: the caller's
-        )
         try:
+            self.settle()  # (deferred mode) the previous step's decision, first
+            self._c.actor.metric = (
+                None if metric is None else float(metric)  # a tensor is read: the caller's
+            )
             return self._step(closure, replay)
         except (PeerFailed, GuardDesync) as e:
             self._c.channel.stopped(self.step_count, e)  # the stop event, once
@@ -283,6 +290,26 @@ class Guard:
             self._c.channel.announce_failure(self.step_count, e)
             raise
 
+    def settle(self) -> StepResult | None:
+        """(``sync="deferred"``) Decide the step the device has run but the host has not
+        read yet, now: its result (None when nothing is pending). The guard does this
+        itself when the next step begins; calling it is an explicit sync."""
+        if self._deferred is None:
+            return None
+        try:
+            settled: StepResult | None = self._deferred.settle()
+            return settled
+        except (PeerFailed, GuardDesync, GuardStopped):
+            raise
+        except BaseException as e:
+            self._c.channel.announce_failure(self.step_count, e)
+            raise
+
+    @property
+    def sync(self) -> str:
+        """``"exact"`` (one host read per step) or ``"deferred"`` (none on a healthy step)."""
+        return "exact" if self._deferred is None else "deferred"
+
     @property
     def ended(self) -> bool:
         """Whether :meth:`finish` or :meth:`close` was called (a step is then refused)."""
@@ -292,6 +319,7 @@ class Guard:
         """End the run after the last step: under torch.distributed a join, every rank
         after as many guard steps (else GuardDesync on every rank; a rank gone: PeerFailed)."""
         try:
+            self.settle()
             self._c.channel.finish(self.step_count)
         except (PeerFailed, GuardDesync) as e:
             self._c.channel.stopped(self.step_count, e)
@@ -301,6 +329,7 @@ class Guard:
         self, closure: Closure | Sequence[Closure] | None, replay: Sequence[Closure] | None
     ) -> StepResult:
         closures, run, keeper = as_closures(closure), self._c.run, self._c.keeper
+        guard_runs_forward = bool(closures)  # (else the caller ran it: the three-call loop)
         self._c.channel.begin(run.step_count)  # a peer failed, finished or exited: stop now
         if not closures and not self._c.runner.losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")
@@ -320,6 +349,16 @@ class Guard:
             # A snapshot step reads the state's magnitudes with the step, to vet them.
             reads = keeper.reads_state(run.ladder.good_steps)
             state_tensors, magnitudes = self._c.check.magnitudes() if reads else ([], None)
+            deferred = self._deferred
+            if (
+                deferred is not None
+                and not reads
+                and not keeper.vetting_first
+                and deferred.can_defer(guard_runs_forward)
+            ):  # no read: decided on the device, settled at the next call (or forward)
+                result: StepResult = deferred.start(step, closures)
+                run.stage = "applied"  # (gated on the device; undone if the host says so)
+                return result
             read = self._c.reader.read(step, self._c.runner.mean_loss(), magnitudes)  # one read
             vetted = (state_tensors, list(read.extra))
             if keeper.vetting_first:
@@ -327,7 +366,10 @@ class Guard:
             verdict: StepVerdict = self._c.judge.judge(
                 step, read, closures, vetted, run.ladder, run.previous_applied
             )
-            return self._end.act(step, read, verdict, closures)
+            decided = self._end.act(step, read, verdict, closures)
+            if self._deferred is not None:
+                self._deferred.after_exact()
+            return decided
         except BaseException:
             if not run.applied():  # the step did not happen: as if it had not begun
                 run.step_count = step
@@ -367,18 +409,21 @@ class Guard:
         the ranks behind, when the step agreed is older). Feed the data from the
         returned step on.
         """
+        self.settle()
         return self._c.checkpoint.resume(path, foreign)
 
     def state_dict(self) -> dict[str, Any]:
         """The guard's own state, for a framework's checkpoint (Lightning keeps a
         callback's): step counter, counters, loss scaler, clipper and spike detectors.
         Not the model, optimizer or scheduler (the framework saves those)."""
+        self.settle()
         return self._c.checkpoint.state_dict()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (a guard configured the same way).
         The guard then continues the run its ``snapshot_dir`` belongs to (as after
         :meth:`resume`), so a framework's resume keeps the folder's snapshots its own."""
+        self.settle()
         self._c.checkpoint.load_state_dict(sd)
 
     def skip_external(
@@ -392,6 +437,7 @@ class Guard:
         that found an inf and did not call the optimizer): the losses recorded for it
         are dropped, the buffers restored, the step counted, and an ``overflow`` event
         (when the scales are given) and a ``step`` event written. One host read."""
+        self.settle()
         return self._end.skipped_outside(reason, scale_before, scale_after)
 
     def close(self) -> None:
@@ -404,6 +450,10 @@ class Guard:
         self._close(None)
 
     def _close(self, error: BaseException | None) -> None:
+        if self._deferred is not None:
+            if self._deferred.pending is not None and error is None:
+                self.settle()  # the last step's decision before the run ends
+            self._deferred.remove()
         if not self._ended:
             self._ended = True
             self._c.watches.run_ended(

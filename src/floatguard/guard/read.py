@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from floatguard.guard.channel import ReadChannel
+from floatguard.guard.channel import Head, ReadChannel
 from floatguard.monitor.hooks import Monitor
 from floatguard.monitor.localize import Fault
 from floatguard.scaling.loss_scale import DynamicLossScaler
 
-__all__ = ["StepRead", "StepReader"]
+__all__ = ["Packed", "StepRead", "StepReader"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,12 @@ class StepReader:
         host read), decode. ``loss``: the step's mean loss (device scalar). ``extra``:
         a 1-D tensor read in the same read (a snapshot step's state magnitudes), its
         values returned as ``StepRead.extra``."""
+        packed = self.pack(step, loss, extra)
+        return self.decode(packed, packed.tensor.tolist())  # the one host read of the step
+
+    def pack(self, step: int, loss: torch.Tensor, extra: torch.Tensor | None = None) -> Packed:
+        """Everything :meth:`read` reads, packed on device (no sync): unscale (fp16), the
+        norm, the loss, the monitor's records, ``extra``."""
         params, _, dev = self.params_with_grads()
         self.channel.reduce_partial(params)  # DTensor addends (Partial) summed first
         found = (
@@ -90,7 +96,11 @@ class StepReader:
         if extra is not None:
             n_extra = extra.numel()
             packed = torch.cat([packed.double(), extra.to(dev).double()])
-        values = packed.tolist()  # the one host read of the step
+        return Packed(packed, head, n_records, n_extra)
+
+    def decode(self, packed: Packed, values: list[float]) -> StepRead:
+        """The :class:`StepRead` of a packed read's host copy ``values``."""
+        head, n_records, n_extra = packed.head, packed.n_records, packed.n_extra
         extra_values = tuple(values[len(values) - n_extra :]) if n_extra else ()
         values = values[: len(values) - n_extra]
         agreed = head.decode(values[: head.size])
@@ -107,3 +117,14 @@ class StepReader:
             monitor_fault=fault,
             extra=extra_values,
         )
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A step's read, packed on device: the tensor, the channel's head (its first
+    values), how many monitor records and extra values follow."""
+
+    tensor: torch.Tensor
+    head: Head
+    n_records: int
+    n_extra: int

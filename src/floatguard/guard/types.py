@@ -46,3 +46,10 @@ class StepResult:
     fault: Fault | None = field(default=None, repr=False)
     snapshot_age: int | None = None
     lr: float | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether the guard has decided this step (always, but for a deferred step the
+        host has not read yet: ``Guard(sync="deferred")``, :class:`PendingResult
+        <floatguard.guard.deferred.PendingResult>`)."""
+        return True

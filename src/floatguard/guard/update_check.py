@@ -56,6 +56,15 @@ class UpdateCheck:
             (g.get("lr"), g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups
         ]
 
+    def last(self) -> list[tuple[Any, Any]] | None:
+        """What :meth:`record` holds (to put back when an update is undone)."""
+        return self._last
+
+    def restore(self, last: list[tuple[Any, Any]] | None) -> None:
+        """Put back what :meth:`last` returned: an update that did not stand (a deferred
+        step the device or the host did not keep) is not the last update."""
+        self._last = last
+
     def made(
         self, param: torch.Tensor, kind: Literal["nan", "inf", "huge"], bound: float
     ) -> bool | None:

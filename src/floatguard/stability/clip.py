@@ -189,7 +189,14 @@ class _DeviceOps:
 
     @staticmethod
     def div(a: Any, b: Any) -> Any:
-        return a / b
+        # IEEE division of tensors: a Python scalar on either side becomes a tensor
+        # (torch computes scalar / tensor as reciprocal * scalar, and CUDA divides by a
+        # scalar as a multiplication by its reciprocal: not the host's quotient)
+        if not isinstance(a, torch.Tensor):
+            a = torch.full_like(b, a)
+        if not isinstance(b, torch.Tensor):
+            b = torch.full_like(a, b)
+        return torch.div(a, b)
 
     @staticmethod
     def not_(x: Any) -> Any:
@@ -202,6 +209,21 @@ class _DeviceOps:
     @staticmethod
     def one(like: Any) -> Any:
         return torch.ones_like(like)
+
+
+class _MixedOps(_DeviceOps):
+    """ZClip's arithmetic with the state on the host (Python floats and bools) and the
+    norm on the device: the host's coefficient, computed without reading the norm."""
+
+    @staticmethod
+    def where(c: Any, a: Any, b: Any) -> Any:
+        if isinstance(c, bool):
+            return a if c else b
+        return torch.where(c, a, b)
+
+    @staticmethod
+    def sqrt(x: Any) -> Any:
+        return torch.sqrt(x) if isinstance(x, torch.Tensor) else math.sqrt(x)
 
 
 class _HostOps:
@@ -315,10 +337,10 @@ class ZClip:
             thr = st["mean"] + c.z_thresh * std
             fire = n > thr
         else:
-            z = (n - st["mean"]) / (std + c.eps)
+            z = o.div(n - st["mean"], std + c.eps)
             fire = z > c.z_thresh
             if c.clip_option == "adaptive_scaling":
-                eta = z / c.z_thresh  # larger outliers are pulled further down
+                eta = o.div(z, c.z_thresh)  # larger outliers are pulled further down
                 thr = (st["mean"] + o.div(c.z_thresh * std, eta)) * c.clip_factor
             else:
                 thr = st["mean"]
@@ -331,14 +353,33 @@ class ZClip:
         warm = st["initialized"]
         # After warmup zclip scales only when the norm exceeds the threshold; during
         # warmup it calls torch's clip_grad_norm_ (coefficient clamped to 1).
-        coef_after = o.where(n > effective, effective / (n + 1e-6), o.one(n))
+        coef_after = o.where(n > effective, o.div(effective, n + 1e-6), o.one(n))
         if c.max_grad_norm is not None:
-            coef_warm = o.clamp_max(c.max_grad_norm / (n + 1e-6), 1.0)
+            coef_warm = o.clamp_max(o.div(c.max_grad_norm, n + 1e-6), 1.0)
         else:
             coef_warm = o.one(n)
         coef = o.where(warm, coef_after, coef_warm)
         coef = o.where(finite, coef, o.one(coef))
         return clip_value, clipped, coef
+
+    def compute_on_device(self, norm: torch.Tensor) -> torch.Tensor:
+        """The clip coefficient :meth:`compute` gives for ``norm`` (a device tensor),
+        without reading it: for a host ZClip, its state (Python floats) enters the device
+        arithmetic as scalars; the same float64 operations, so the same bits."""
+        if not self.on_host:
+            coef: torch.Tensor = self.compute(norm)[2]
+            return coef
+        saved = self._ops
+        self._ops = _MixedOps
+        try:
+            coef = self.compute(norm)[2]
+        finally:
+            self._ops = saved
+        return (
+            coef
+            if isinstance(coef, torch.Tensor)
+            else torch.full_like(norm, coef, dtype=torch.float64)
+        )
 
     def update(self, norm: Any, clip_value: Any, clipped: Any) -> None:
         """Fold this step into the statistics (warmup buffer, then EMA). Non-finite: no-op."""

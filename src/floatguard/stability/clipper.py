@@ -52,6 +52,24 @@ class Clipper:
         elif grads and coef != 1.0:
             _scale_(grads, coef)
 
+    def apply_on_device(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], norm: torch.Tensor
+    ) -> None:
+        """Clip from the device norm, no host read (the guard's deferred mode): the value
+        clamp as :meth:`apply`; ``kind="norm"``: the coefficient :meth:`coefficient`
+        computes, in float64 on the device (the same float64 operations, so the same
+        bits), 1 for a non-finite norm; ZClip: its coefficient from its host state and
+        the device norm (:meth:`ZClip.compute_on_device`)."""
+        if self.policy.kind == "value":
+            clip_grad_value_(params, self.policy.max_value)
+        elif self.zclip is not None and grads:
+            _scale_(grads, self.zclip.compute_on_device(norm.detach()))
+        elif self.policy.kind == "norm" and grads:
+            n = norm.detach().double()
+            quotient = torch.full_like(n, self.policy.max_norm) / (n + 1e-6)
+            coef = torch.where(torch.isfinite(n), quotient.clamp(max=1.0), torch.ones_like(n))
+            _scale_(grads, coef)
+
     def update(self, grad_norm: float, zstate: tuple[float, bool] | None) -> None:
         """Fold an applied step's norm into ZClip's statistics."""
         if self.zclip is not None and zstate is not None:

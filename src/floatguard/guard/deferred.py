@@ -1,0 +1,316 @@
+"""The deferred mode (``Guard(sync="deferred")``): decide on the device, learn on the host
+a step later.
+
+A deferred step runs the closures as the exact mode does, packs the step's read on the
+device (:meth:`StepReader.pack <floatguard.guard.read.StepReader.pack>`), and instead of
+reading it:
+
+- computes the device verdict ``ok`` (loss and gradient norm finite, no fp16 overflow);
+- clips on the device (``clip_grad_norm_``'s coefficient from the device norm, or the
+  value clamp) and runs ``optimizer.step()`` *gated*: parameters and the optimizer's
+  device tensors are copied first, and put back with ``torch.where(ok, new, old)``
+  after the update (any ``torch.optim`` optimizer; exact: an element is either the
+  update's or the old value). So a bad step changes no weight whether or not the host
+  has looked yet;
+- posts the packed read (and ``ok``) to a host mailbox: a pinned buffer filled by a
+  non-blocking copy, with a CUDA event (on CPU the copy is a plain copy), read through
+  a numpy view once it is ready, no tensor read at all.
+
+The host *settles* the step later (:class:`Pending`): at the latest when the next step
+begins (also at :meth:`Guard.backward`, ``record_loss``, ``finish``, ``close``, the state
+methods, or when the step's :class:`PendingResult` is read: the user's explicit sync).
+Settling decodes the mailbox and runs the exact mode's judgement and actor on it: a step
+the policy applies and the device applied is only booked (scheduler, scaler growth,
+detectors); a step the policy does not apply (a spike, a skipped batch, a rollback, a
+stop) that the device applied is undone from the copies first; a bad step is localized
+by replay (its closures and RNG are kept until then). The response lands before the
+next step runs.
+
+Host reads: none on a step run this way. The guard runs a step in the exact mode (one
+read) when the deferred one cannot decide it: the first step (the optimizer has no
+state to gate yet), a step whose set of parameters with gradients changed, and the
+snapshot steps (their state is vetted in the read).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from floatguard.guard.read import Packed
+from floatguard.guard.types import Closure, StepResult
+
+__all__ = ["Mailbox", "Pending", "PendingResult", "SpeculativeUpdate"]
+
+
+class Mailbox:
+    """The host copy of a packed read: a (pinned, on CUDA) buffer filled without
+    blocking, and an event; :meth:`take` waits for the event only (no tensor read) and
+    returns the values through a numpy view made once."""
+
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None
+        self.view: Any = None
+        self.event: Any = None
+
+    def post(self, packed: torch.Tensor) -> None:
+        t = packed.detach().reshape(-1)
+        if t.dtype not in (torch.float32, torch.float64):
+            t = t.double()
+        if self.host is None or self.host.shape != t.shape or self.host.dtype != t.dtype:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self.view = self.host.numpy()
+        self.host.copy_(t, non_blocking=t.is_cuda)
+        self.event = None
+        if t.is_cuda:
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.event.record()
+
+    def ready(self) -> bool:
+        """Whether the copy has landed (no wait)."""
+        return self.event is None or bool(self.event.query())
+
+    def take(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()  # waits for the copy, not for a read of the device
+        values: list[float] = self.view.tolist()
+        return values
+
+
+class SpeculativeUpdate:
+    """``optimizer.step()`` gated on a device flag, and undone on the host's word."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ok: torch.Tensor | None = None
+        self.known: frozenset[int] = frozenset()
+
+    def _targets(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = list(params)
+        for p in params:
+            for v in self.optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    out.append(v)
+        return out
+
+    def can_gate(self, params: list[torch.Tensor]) -> bool:
+        """Whether this step's update can be gated: the optimizer already keeps state for
+        exactly these parameters (its first update creates the state)."""
+        return bool(params) and frozenset(id(p) for p in params) == self.known
+
+    def after_exact(self, params: list[torch.Tensor]) -> None:
+        """An exact step updated ``params``: their optimizer state now exists."""
+        self.known = frozenset(id(p) for p in params)
+
+    def run(
+        self,
+        params: list[torch.Tensor],
+        ok: torch.Tensor,
+        clip: Callable[[], None],
+        step: Callable[[], None],
+    ) -> None:
+        """Copy the parameters and optimizer tensors, clip, step, and keep the update
+        only where ``ok`` (a device bool): ``where(ok, new, old)``. Optimizer tensors on
+        another device than ``ok`` (Adam's CPU ``step`` on a CUDA run) are put back by
+        the host when it settles the step (before the next step runs)."""
+        targets = self._targets(params)
+        dev = ok.device
+        self.saved = [(t, t.detach().clone()) for t in targets if t.device == dev]
+        self.host_saved = [(t, t.detach().clone()) for t in targets if t.device != dev]
+        clip()
+        step()
+        with torch.no_grad():
+            for t, old in self.saved:
+                t.copy_(torch.where(ok, t, old))
+        self.ok = ok
+
+    def undo(self) -> None:
+        """Put back what the update changed (the host decided against the step)."""
+        with torch.no_grad():
+            for t, old in self.saved + self.host_saved:
+                t.copy_(old)
+        self.release()
+
+    def settled(self, applied: bool) -> None:
+        """The host learned the device's verdict: a step the device blocked gets its
+        host-side optimizer tensors back too."""
+        if not applied:
+            with torch.no_grad():
+                for t, old in self.host_saved:
+                    t.copy_(old)
+        self.release()
+
+    def release(self) -> None:
+        self.saved, self.host_saved, self.ok = [], [], None
+
+
+_LAZY = frozenset(f.name for f in fields(StepResult)) - {"step"}
+
+
+class PendingResult(StepResult):
+    """A deferred step's :class:`StepResult`: ``step`` is known at once; reading any
+    other field settles the step first (waits for its read: the caller's explicit
+    sync) and returns the decided value."""
+
+    def __init__(self, step: int, settle: Callable[[], StepResult]) -> None:
+        object.__setattr__(self, "step", step)
+        object.__setattr__(self, "_settle", settle)
+        object.__setattr__(self, "_decided", None)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _LAZY:
+            decided = object.__getattribute__(self, "_decided")
+            if decided is None:
+                decided = object.__getattribute__(self, "_settle")()
+            return getattr(decided, name)
+        return object.__getattribute__(self, name)
+
+    def decide(self, result: StepResult) -> None:
+        object.__setattr__(self, "_decided", result)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the host has decided this step (reading it then costs nothing)."""
+        return object.__getattribute__(self, "_decided") is not None
+
+
+@dataclass
+class Pending:
+    """A deferred step waiting for the host: its packed read and mailbox, its closures
+    (for a replay), its speculative update and its result."""
+
+    step: int
+    packed: Packed
+    closures: list[Closure]
+    mailbox: Mailbox
+    update: SpeculativeUpdate
+    result: PendingResult
+    last_update: Any = None
+
+
+class DeferredStepper:
+    """Runs the deferred half of a step (:meth:`start`: pack, device verdict, gated
+    update, mailbox) and settles it (:meth:`settle`: the exact mode's judgement and
+    actor on the mailbox's copy). ``crew``/``end``: the guard's collaborators and its
+    step end (:class:`~floatguard.guard.conclude.StepEnd`)."""
+
+    def __init__(
+        self, crew: Any, end: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module
+    ) -> None:
+        self._c, self._end = crew, end
+        self.update = SpeculativeUpdate(optimizer)
+        self.mailbox = Mailbox()
+        self.pending: Pending | None = None
+        self.deferred_steps = 0
+        # The three-call loop runs the next forward before any guard call: the pending
+        # step is settled when a forward with grad enabled begins, so a rollback or an
+        # undo lands before the forward reads the weights (a no_grad evaluation forward
+        # does not wait for the host).
+        self._hook = model.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.pending is not None and torch.is_grad_enabled():
+            self.settle()
+
+    def remove(self) -> None:
+        """Detach the forward hook (the guard is closed)."""
+        self._hook.remove()
+
+    def can_defer(self, closures: bool) -> bool:
+        """Whether this step's update can be gated on the device (see the module).
+        ``closures``: the step's forward is a closure the guard runs (after settling the
+        step before); else the caller ran it, and a spike detector without a bar the
+        device can compare with (``detector="lesson"``) would leave a spike's undo to
+        the host after the next forward ran on the speculative weights."""
+        params, _, _ = self._c.reader.params_with_grads()
+        if not closures:
+            sw = self._c.spike_watch
+            if any(d is not None and d.bar() is None for d in (sw.loss, sw.grad_norm)):
+                return False
+        return self.update.can_gate(params)
+
+    def after_exact(self) -> None:
+        """An exact step ended: the optimizer's state covers its parameters now."""
+        params = [p for g in self.update.optimizer.param_groups for p in g["params"]]
+        state = self.update.optimizer.state
+        self.update.after_exact([p for p in params if state.get(p)])
+
+    def start(self, step: int, closures: list[Closure]) -> PendingResult:
+        """The step's read packed, its update gated on the device, its read posted."""
+        c = self._c
+        packed: Packed = c.reader.pack(step, c.runner.mean_loss())
+        head = packed.head.tensor  # the local layout: [found_inf, norm, mean loss]
+        ok = (head[0] <= 0) & torch.isfinite(head[1]) & torch.isfinite(head[2])
+        # a spike against the detectors' bars (host floats as of the step before: what
+        # the exact mode's check compares with), in float64 as the host compares
+        sw = c.spike_watch
+        for detector, value in ((sw.loss, head[2]), (sw.grad_norm, head[1])):
+            bar = detector.bar() if detector is not None else None
+            if bar is not None and bar < math.inf:
+                ok = ok & ~(value.double() > bar)
+        if c.run.ladder.skip_remaining > 0:  # a batch the policy skips after a rollback
+            ok = ok & False
+        params, grads, _ = c.reader.params_with_grads()
+        lr_factor = c.run.ladder.lr_factor
+        last_update = c.updates.last()  # the last update that stood, until this one does
+        self.update.run(
+            params, ok,
+            lambda: c.clipper.apply_on_device(params, grads, head[1]),
+            lambda: c.actor.optimizer_step(lr_factor),
+        )  # fmt: skip
+        self.mailbox.post(
+            torch.cat([packed.tensor.reshape(-1), ok.reshape(1).to(packed.tensor.dtype)])
+        )
+        result = PendingResult(step, self._decided)
+        self.pending = Pending(
+            step, packed, list(closures), self.mailbox, self.update, result, last_update
+        )
+        self.deferred_steps += 1
+        return result
+
+    def _decided(self) -> StepResult:
+        """A PendingResult was read: settle (if still pending) and return its result."""
+        result = self.settle()
+        if result is None:
+            raise RuntimeError(
+                "floatguard: this deferred step was not decided: its settling raised "
+                "earlier (e.g. GuardStopped at the next step's start)"
+            )
+        return result
+
+    def settle(self) -> StepResult | None:
+        """Decide the pending step, if any: its read from the mailbox, then the exact
+        mode's judgement and actor (the device update booked, undone or redone)."""
+        p = self.pending
+        if p is None:
+            return None
+        self.pending = None
+        c = self._c
+        values = p.mailbox.take()
+        kept = values[-1] > 0
+        read = c.reader.decode(p.packed, values[:-1])
+        c.run.stage = "deciding"
+        own = c.updates.last()
+        c.updates.restore(p.last_update)  # the judge asks about the update before this step
+        healthy = read.finite_loss and not read.gradient_overflow
+        if kept and healthy and c.spike_watch.check(read.loss, read.grad_norm) is not None:
+            # a spike is replayed to see whether it reproduces: on the weights the step
+            # found, as the exact mode does; the host then applies it or not
+            p.update.undo()
+            kept = False
+        try:
+            verdict = c.judge.judge(p.step, read, p.closures, ([], []), c.run.ladder,
+                                    c.run.previous_applied)  # fmt: skip
+            result: StepResult = self._end.act(p.step, read, verdict, p.closures, (p.update, kept))
+            if result.action == "applied" and kept:  # the device's update stands
+                c.updates.restore(own)
+        finally:
+            c.run.stage = "idle"
+        p.result.decide(result)
+        return result

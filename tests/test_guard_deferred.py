@@ -1,0 +1,330 @@
+"""Guard(sync="deferred"): no host read on a healthy step, the same decisions as the exact
+mode a step later, and a bad step that never moves a weight (issue 43)."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from floatguard import ClipPolicy, Guard, GuardStopped, ResponsePolicy, SpikePolicy
+
+READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
+
+
+class _ScalarReads(TorchDispatchMode):
+    """aten._local_scalar_dense: what every scalar read of a tensor lowers to."""
+
+    def __init__(self, log: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.log.append(("_local_scalar_dense", _who()))
+        return func(*args, **(kwargs or {}))
+
+
+def _who() -> str:
+    """Who read: "floatguard" when a frame of the package is on the stack below the
+    read (the optimizer's own reads come from torch/optim)."""
+    frames = traceback.extract_stack()[:-2]
+    for f in reversed(frames):
+        if "/floatguard/" in f.filename and "/tests/" not in f.filename:
+            return f"floatguard ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})"
+        if "/torch/optim/" in f.filename:
+            return "torch.optim"
+    return "other"
+
+
+@contextmanager
+def host_reads() -> Iterator[list[tuple[str, str]]]:
+    """Every host read of a tensor made inside: the Tensor methods that read (patched,
+    so the autograd engine's threads are seen too) and aten._local_scalar_dense."""
+    log: list[tuple[str, str]] = []
+    saved = {n: getattr(torch.Tensor, n) for n in READS}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            log.append((name, _who()))
+            return fn(*args, **kwargs)
+
+        return call
+
+    for n, fn in saved.items():
+        setattr(torch.Tensor, n, counted(n, fn))
+    try:
+        with _ScalarReads(log):
+            yield log
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def make(opt: str = "sgd", seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    if opt == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    if opt == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(n)]
+
+
+def closure(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: nn.functional.mse_loss(model(x), y)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_healthy_step_makes_no_host_read_in_deferred_mode(opt: str) -> None:
+    """Counted, not claimed: every read of a tensor during guard.step(), attributed. The
+    exact mode makes one per step (its packed read); the deferred mode none, but on the
+    steps it runs exactly and names: the first (the optimizer has no state to gate yet)
+    and the snapshot steps (their state is vetted in the read). AdamW's own reads of
+    its step counter (torch.optim, a host tensor on CUDA) are the optimizer's."""
+    counts: dict[str, list[int]] = {}
+    for sync in ("exact", "deferred"):
+        model, optimizer = make(opt)
+        guard = Guard(model, optimizer, sync=sync)  # type: ignore[arg-type]
+        assert guard.sync == sync
+        ours = []
+        for x, y in batches(23):
+            snapshot_step = guard.last_snapshot  # (settles the previous step, outside)
+            with host_reads() as log:
+                guard.step(closure(model, x, y))
+            del snapshot_step
+            ours.append(sum(who.startswith("floatguard") for _, who in log))
+            assert all(who in ("torch.optim",) or who.startswith("floatguard")
+                       for _, who in log), log  # fmt: skip
+        guard.close()
+        counts[sync] = ours
+    assert counts["exact"] == [1] * 23
+    # the deferred steps: no read; the exact ones: the first, the first snapshot's
+    # vetting, then every snapshot_every (5) good steps
+    exact_steps = [i for i, n in enumerate(counts["deferred"]) if n]
+    assert exact_steps == [0, 1, 5, 10, 15, 20], counts["deferred"]
+    assert all(counts["deferred"][i] == 1 for i in exact_steps)
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Scenario = Callable[[int, Batch], Batch]
+
+
+def same(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
+    """Equal, field by field, a NaN equal to a NaN (the numbers are the same bits)."""
+
+    def eq(u: Any, v: Any) -> bool:
+        return u == v or (isinstance(u, float) and isinstance(v, float) and u != u and v != v)
+
+    return len(a) == len(b) and all(
+        len(r) == len(q) and all(eq(u, v) for u, v in zip(r, q, strict=True))
+        for r, q in zip(a, b, strict=True)
+    )
+
+
+def _nan_input(i: int, b: Batch) -> Batch:
+    return (b[0] * float("nan"), b[1]) if i in (6, 13) else b
+
+
+def _spike(i: int, b: Batch) -> Batch:
+    return (b[0], b[1] * 300) if i in (14, 19) else b
+
+
+def _burst(i: int, b: Batch) -> Batch:
+    return (b[0] * float("inf"), b[1]) if 9 <= i <= 12 else b
+
+
+SCENARIOS: dict[str, Scenario] = {"nan input": _nan_input, "loss spike": _spike,
+                                  "inf burst (rollback)": _burst}  # fmt: skip
+
+
+Outcome = tuple[list[tuple[Any, ...]], list[torch.Tensor], list[str]]
+
+
+def run(
+    sync: Any, scenario: Scenario, opt: str, precision: Any = "fp32", clip: ClipPolicy | None = None
+) -> Outcome:
+    model, optimizer = make(opt)
+    guard = Guard(
+        model, optimizer, precision=precision, sync=sync, clip=clip,
+        spikes=SpikePolicy(window=10, z=6.0), response=ResponsePolicy(rollback_after=3),
+    )  # fmt: skip
+    results = []
+    for i, b in enumerate(batches(24)):
+        results.append(guard.step(closure(model, *scenario(i, b))))
+    guard.close()
+    seen = [(r.step, r.action, r.reason, r.loss, r.grad_norm, r.clip_coef, r.lr_factor)
+            for r in results]  # fmt: skip
+    kinds = [e.kind for e in guard.events.events]
+    return seen, [p.detach().clone() for p in model.parameters()], kinds
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_deferred_decides_what_exact_decides(name: str, opt: str) -> None:
+    """The same actions, causes, numbers, events and final weights (bit for bit) as the
+    exact mode: a step is decided a call later, never differently."""
+    exact = run("exact", SCENARIOS[name], opt)
+    deferred = run("deferred", SCENARIOS[name], opt)
+    assert [r[1] for r in exact[0]] != ["applied"] * 24  # the scenario did something
+    assert same(deferred[0], exact[0]), (deferred[0], exact[0])
+    assert deferred[2] == exact[2]
+    for a, b in zip(exact[1], deferred[1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clip", [ClipPolicy(kind="norm", max_norm=0.5),
+                                  ClipPolicy(kind="value", max_value=0.01), ClipPolicy()],
+                         ids=["norm", "value", "zclip"])  # fmt: skip
+def test_clipping_on_the_device_is_the_hosts_bit_for_bit(clip: ClipPolicy) -> None:
+    exact = run("exact", _spike, "adam", clip=clip)
+    deferred = run("deferred", _spike, "adam", clip=clip)
+    assert same(deferred[0], exact[0]), (deferred[0], exact[0])
+    assert any(r[5] != 1.0 for r in exact[0]) or clip.kind == "value"
+    for a, b in zip(exact[1], deferred[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp16_overflow_backs_off_the_scale_as_exact_mode() -> None:
+    def overflow(i: int, b: Batch) -> Batch:
+        return (b[0], b[1] * 3e4) if i in (8, 15) else b  # the scaled gradients overflow
+
+    exact = run("exact", overflow, "adam", precision="fp16")
+    deferred = run("deferred", overflow, "adam", precision="fp16")
+    assert "overflow" in [r[2] for r in exact[0]]
+    assert same(deferred[0], exact[0]), (deferred[0], exact[0])
+    for a, b in zip(exact[1], deferred[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_bad_step_moves_no_weight_before_the_host_has_looked() -> None:
+    model, optimizer = make("adam")
+    guard = Guard(model, optimizer, sync="deferred")
+    data = batches(8)
+    for x, y in data[:4]:
+        guard.step(closure(model, x, y))
+    guard.settle()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in optimizer.state[model[0].weight].items()}
+    x, y = data[4]
+    result = guard.step(closure(model, x * float("nan"), y))
+    assert not result.settled  # the host has not looked
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert all(torch.equal(state[k], v) for k, v in optimizer.state[model[0].weight].items())
+    # answered when the next step begins (before it runs), or when the result is read
+    assert result.action == "skipped" and result.reason == "nonfinite_input"
+    assert result.settled
+    guard.close()
+
+
+def test_the_result_is_decided_at_the_next_call_without_a_read_of_it() -> None:
+    model, optimizer = make()
+    guard = Guard(model, optimizer, sync="deferred")
+    results = [guard.step(closure(model, x, y)) for x, y in batches(7)]
+    assert [r.settled for r in results] == [True] * 6 + [False]
+    assert [r.step for r in results] == list(range(7))
+    assert results[-1].action == "applied"
+    guard.close()
+
+
+def test_a_fault_is_localized_and_a_stop_raised_before_the_step_after_it() -> None:
+    """A NaN born in a module's forward on step t: localized by replay when settled
+    (the same fault as the exact mode names); a stop decided for step t is raised when
+    step t+1 is asked for, before it runs, with the weights as they were."""
+
+    class Bomb(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(8, 8)
+            self.armed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.inner(x)
+            return y.log() if self.armed else y  # log of negatives: NaN born here
+
+    faults = {}
+    for sync in ("exact", "deferred"):
+        torch.manual_seed(0)
+        bomb = Bomb()
+        model = nn.Sequential(bomb, nn.Linear(8, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        guard = Guard(model, optimizer, sync=sync,  # type: ignore[arg-type]
+                      response=ResponsePolicy(rollback_after=1, max_rollbacks=1))  # fmt: skip
+        data = batches(10)
+        with pytest.raises(GuardStopped) as stopped:
+            for i, (x, y) in enumerate(data):
+                bomb.armed = i >= 4
+                guard.step(closure(model, x, y))
+        faults[sync] = (str(stopped.value.fault), stopped.value.report["step"], i,
+                        [p.detach().clone() for p in model.parameters()])  # fmt: skip
+        guard.close()
+    assert faults["exact"][0] == faults["deferred"][0] and "born in 0 " in faults["exact"][0]
+    assert faults["exact"][1] == faults["deferred"][1]
+    # raised at the latest when the step after it is asked for (a step the guard runs
+    # exactly, a snapshot step, raises in its own call), the model restored alike
+    assert faults["exact"][2] <= faults["deferred"][2] <= faults["exact"][2] + 1
+    assert all(torch.equal(a, b) for a, b in zip(faults["exact"][3], faults["deferred"][3],
+                                                  strict=True))  # fmt: skip
+
+
+def test_the_three_call_loop_and_gradient_accumulation_are_deferred_too() -> None:
+    out = {}
+    for sync in ("exact", "deferred"):
+        model, optimizer = make("adam")
+        guard = Guard(model, optimizer, sync=sync)  # type: ignore[arg-type]
+        data = batches(12)
+        for i in range(0, 12, 2):
+            for x, y in data[i : i + 2]:  # two micro-batches
+                with guard.autocast():
+                    loss = nn.functional.mse_loss(model(x * (float("nan") if i == 6 else 1)), y)
+                guard.backward(loss)
+            guard.step()
+        guard.close()
+        out[sync] = (
+            [e.kind for e in guard.events.events],
+            [p.detach().clone() for p in model.parameters()],
+        )
+    assert out["exact"][0] == out["deferred"][0]
+    assert all(torch.equal(a, b) for a, b in zip(out["exact"][1], out["deferred"][1], strict=True))
+
+
+def test_bad_sync_settings_are_named() -> None:
+    model, optimizer = make()
+    with pytest.raises(ValueError, match="sync='later'"):
+        Guard(model, optimizer, sync="later")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_three_call_loop_decides_what_exact_decides(name: str) -> None:
+    """The caller runs the next forward before any guard call: the pending step is
+    settled when that forward begins, so a rollback or a spike lands before it reads the
+    weights (the watch="hooks" records of the step are still whole then)."""
+    out = {}
+    for sync in ("exact", "deferred"):
+        model, optimizer = make("adam")
+        guard = Guard(model, optimizer, sync=sync, watch="hooks",  # type: ignore[arg-type]
+                      spikes=SpikePolicy(window=10, z=6.0),
+                      response=ResponsePolicy(rollback_after=3))  # fmt: skip
+        for i, b in enumerate(batches(24)):
+            x, y = SCENARIOS[name](i, b)
+            with guard.autocast():
+                loss = nn.functional.mse_loss(model(x), y)
+            guard.backward(loss)
+            guard.step()
+        guard.close()
+        steps = [(e.step, e["action"], e["reason"]) for e in guard.events.of_kind("step")]
+        out[sync] = (steps, [p.detach().clone() for p in model.parameters()])
+    assert out["exact"][0] == out["deferred"][0]
+    assert any(a != "applied" for _, a, _ in out["exact"][0])
+    assert all(torch.equal(a, b) for a, b in zip(out["exact"][1], out["deferred"][1], strict=True))
