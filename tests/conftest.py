@@ -46,3 +46,20 @@ def _processes_are_marked(
     monkeypatch.setattr(subprocess.Popen, "__init__", unmarked)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", unmarked)
     yield
+
+
+@pytest.fixture(params=["exact", "deferred"])
+def guard_sync(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a guard test in both modes: ``Guard(sync=...)`` defaults to the parameter for
+    the test (``pytestmark = pytest.mark.usefixtures("guard_sync")``). A test marked
+    ``exact_only(reason)`` watches what the exact mode does within the same call (the
+    scheduler stepped, a patched internal raising): skipped in the deferred run."""
+    from floatguard import Guard
+
+    marker = request.node.get_closest_marker("exact_only")
+    if request.param == "deferred" and marker is not None:
+        pytest.skip(f"exact mode only: {marker.args[0] if marker.args else ''}")
+    defaults = Guard.__init__.__kwdefaults__
+    assert defaults is not None and "sync" in defaults
+    monkeypatch.setitem(defaults, "sync", request.param)
+    return str(request.param)

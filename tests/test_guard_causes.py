@@ -19,6 +19,8 @@ from floatguard import Fault, Guard, GuardStopped, Monitor, ResponsePolicy, Spik
 
 from .monitor.test_sync_free import CountSyncs
 
+pytestmark = pytest.mark.usefixtures("guard_sync")  # every test in both sync modes
+
 T, D, V = 6, 16, 11
 
 

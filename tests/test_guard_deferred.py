@@ -328,3 +328,51 @@ def test_the_three_call_loop_decides_what_exact_decides(name: str) -> None:
     assert out["exact"][0] == out["deferred"][0]
     assert any(a != "applied" for _, a, _ in out["exact"][0])
     assert all(torch.equal(a, b) for a, b in zip(out["exact"][1], out["deferred"][1], strict=True))
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out += [v.clone() for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+@pytest.mark.parametrize("where", ["optimizer.step", "scheduler.step (at settling)"])
+def test_a_raise_in_a_deferred_step_leaves_no_trace(where: str) -> None:
+    """Whole or not at all: an optimizer that raises mid-update (its copies put back), or
+    a scheduler that raises when the host settles the step (the device's update undone,
+    the step count and gradients as if the step had not begun)."""
+    model, optimizer = make("adam")
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
+    guard = Guard(model, optimizer, scheduler=sched, sync="deferred")
+    data = batches(10)
+    for x, y in data[:3]:
+        guard.step(closure(model, x, y))
+    guard.settle()
+    before, count = _state(model, optimizer), guard.step_count
+    boom = RuntimeError("injected")
+
+    def fail(*a: Any, **k: Any) -> Any:
+        raise boom
+
+    x, y = data[3]
+    if where == "optimizer.step":
+        original = optimizer.step
+        optimizer.step = fail  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match=r"deferred update raised .*injected.*put back"):
+            guard.step(closure(model, x, y))
+        optimizer.step = original  # type: ignore[method-assign]
+    else:
+        sched.step = fail  # type: ignore[method-assign]
+        guard.step(closure(model, x, y))  # the device applied it; the host has not looked
+        moved = _state(model, optimizer)
+        assert not all(torch.equal(a, b) for a, b in zip(before, moved, strict=True))
+        with pytest.raises(RuntimeError, match="injected"):
+            guard.settle()
+        del sched.step
+    assert guard.step_count == count
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    r = guard.step(closure(model, x, y))  # and the step then runs as it would have
+    assert r.action == "applied"
+    guard.close()

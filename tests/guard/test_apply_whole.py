@@ -22,6 +22,8 @@ from floatguard import ClipPolicy, DynamicLossScaler, Guard
 from floatguard.guard.act import Actor, is_metric_scheduler
 from floatguard.stability.clip import ZClip
 
+pytestmark = pytest.mark.usefixtures("guard_sync")  # every test in both sync modes
+
 
 def _setup(**kw: Any) -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, ...]]]:
     torch.manual_seed(0)
@@ -53,6 +55,9 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.exact_only(
+    "reads the LR right after step(); deferred, the scheduler steps when the step settles"
+)
 def test_reduce_lr_on_plateau_is_stepped_with_the_loss_or_the_metric_given() -> None:
     model, opt, batches = _setup()
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
@@ -71,6 +76,9 @@ def test_reduce_lr_on_plateau_is_stepped_with_the_loss_or_the_metric_given() -> 
     guard.close()
 
 
+@pytest.mark.exact_only(
+    "reads the LR right after step(); deferred, the scheduler steps when the step settles"
+)
 def test_a_stepped_scheduler_sets_the_next_lr_after_the_update_used_this_one() -> None:
     model, opt, batches = _setup()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
@@ -92,6 +100,7 @@ def test_a_stepped_scheduler_sets_the_next_lr_after_the_update_used_this_one() -
 POINTS = ["snapshot", "clip", "schedule", "zclip", "scaler", "spikes", "fence", "optimizer"]
 
 
+@pytest.mark.exact_only("patches the exact apply phase; the deferred one is test_guard_deferred's")
 @pytest.mark.parametrize("point", POINTS)
 def test_a_raise_anywhere_in_the_apply_phase_leaves_everything_as_before(point: str) -> None:
     model, opt, batches = _setup()
@@ -143,6 +152,7 @@ def test_a_raise_anywhere_in_the_apply_phase_leaves_everything_as_before(point: 
     guard.close()
 
 
+@pytest.mark.exact_only("the exact mode's answer; deferred, the step's own copies are put back")
 def test_an_optimizer_that_raises_after_moving_weights_is_answered_by_the_snapshot() -> None:
     model, opt, batches = _setup()
     guard = Guard(model, opt)

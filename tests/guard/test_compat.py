@@ -14,6 +14,8 @@ from torch import nn
 from floatguard import DynamicLossScaler, Guard, ResponsePolicy
 from floatguard.stability.snapshot import load_snapshot
 
+pytestmark = pytest.mark.usefixtures("guard_sync")  # every test in both sync modes
+
 FIXTURE = Path(__file__).parent / "fixtures" / "before-the-move-step11.fgs"
 # The counters snapshots have always held (written by the guard at caaec06), and the
 # ones added since (the bad-data rule's).

@@ -12,6 +12,8 @@ from torch import nn
 
 from floatguard import ClipPolicy, DynamicLossScaler, Guard, GuardStopped, ResponsePolicy
 
+pytestmark = pytest.mark.usefixtures("guard_sync")  # every test in both sync modes
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)

@@ -15,6 +15,8 @@ from floatguard import Guard, GuardStopped, SpikePolicy
 from floatguard.diagnose import diagnose
 from floatguard.guard.vetting import FLOOR, JUMP
 
+pytestmark = pytest.mark.usefixtures("guard_sync")  # every test in both sync modes
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 

@@ -15,6 +15,8 @@ from torch import nn
 from floatguard import Guard, ResponsePolicy
 from floatguard.guard.batch_id import fingerprint
 
+pytestmark = pytest.mark.usefixtures("guard_sync")  # every test in both sync modes
+
 
 def _mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)

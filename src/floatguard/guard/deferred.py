@@ -123,8 +123,15 @@ class SpeculativeUpdate:
         dev = ok.device
         self.saved = [(t, t.detach().clone()) for t in targets if t.device == dev]
         self.host_saved = [(t, t.detach().clone()) for t in targets if t.device != dev]
-        clip()
-        step()
+        try:
+            clip()
+            step()
+        except BaseException as e:
+            self.undo()  # a step is applied whole or not at all
+            raise RuntimeError(
+                f"floatguard: the deferred update raised ({type(e).__name__}: {e}); the "
+                "step's copies were put back: weights and optimizer state are as before it"
+            ) from e
         with torch.no_grad():
             for t, old in self.saved:
                 t.copy_(torch.where(ok, t, old))
@@ -310,6 +317,13 @@ class DeferredStepper:
             result: StepResult = self._end.act(p.step, read, verdict, p.closures, (p.update, kept))
             if result.action == "applied" and kept:  # the device's update stands
                 c.updates.restore(own)
+        except BaseException:
+            if not c.run.applied():  # as the exact mode: the step leaves no trace
+                p.update.undo()
+                c.run.step_count = p.step
+                c.scratch.undo()
+                c.keeper.abort_step()
+            raise
         finally:
             c.run.stage = "idle"
         p.result.decide(result)
