@@ -11,6 +11,11 @@ autocast (CPU). Contenders per model and precision:
 - ``Guard.step(closure)`` with its defaults (ZClip, loss-spike detection, detection
   by one host read, localization by replay on bad steps only, snapshots every 5 steps)
 - ``Guard(watch="hooks")``: the hook-based sentinel monitor on every step (for reference)
+- ``Guard(sync="deferred")``: no host read on a healthy step (the verdict on the device,
+  the update gated by ``where``, the read settled at the next step). On a CPU nothing
+  runs ahead of the host, so this row shows the deferred mode's own cost (a copy of the
+  parameters and optimizer state per step, the gating); what it saves (the host waiting
+  for the device every step) shows only on a GPU (``gpu_check``).
 
     python benchmarks/bench_guard.py [--steps N] [--rounds R] [--quick]
 """
@@ -70,9 +75,9 @@ def peer(model_name: str, precision: str) -> Step:
     return gradscaler_clip_step(model, opt, lambda: lm_loss(model, x, y))
 
 
-def guarded(model_name: str, precision: str, watch: str = "replay") -> Step:
+def guarded(model_name: str, precision: str, watch: str = "replay", sync: str = "exact") -> Step:
     model, opt, x, y = setup(model_name)
-    guard = Guard(model, opt, precision=precision, watch=watch)  # type: ignore[arg-type]
+    guard = Guard(model, opt, precision=precision, watch=watch, sync=sync)  # type: ignore[arg-type]
 
     def step() -> None:
         guard.step(lambda: lm_loss(model, x, y))
@@ -192,6 +197,7 @@ def main() -> None:
                 peer_name: peer(model_name, precision),
                 "Guard.step(closure), defaults": guarded(model_name, precision),
                 'Guard(watch="hooks") (sentinel)': guarded(model_name, precision, "hooks"),
+                'Guard(sync="deferred"), defaults': guarded(model_name, precision, sync="deferred"),
             }
             med = time_rounds(steps, n, args.rounds)
             ref = med[peer_name]

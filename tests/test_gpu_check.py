@@ -77,6 +77,8 @@ class FakeCuda:
         self.modes.append(mode)
 
     def warn_if_syncing(self) -> None:
+        if self.mode == "error" and not self.silent:
+            raise RuntimeError("called a synchronizing CUDA operation")
         if self.mode == "warn" and not self.silent:
             warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)
 
@@ -363,7 +365,7 @@ def test_main_prints_one_table(
     assert table[:2] == ["| check | measured | expected | verdict |", "|---|---|---|---|"]
     assert all(line.startswith("| ") and line.count(" | ") >= 3 for line in table[2:])
     checks = {line.split(" ", 2)[1] for line in table[2:]}
-    assert checks == {"(a)", "(b)", "(c)", "(d)", "(e)", "(f)"}
+    assert checks == {"(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)"}
     failed = [line for line in table if line.endswith("| FAIL |")]
     # on a CPU only the overhead target may be missed (timing noise), nothing else
     assert all("(b)" in line for line in failed), failed
@@ -399,3 +401,37 @@ def test_overlap_rows(gc: ModuleType, cuda: FakeCuda, backend: Any, sizes: Any) 
         assert re.fullmatch(r"\d+\.\d{3}x \(\d+\.\d\d vs \d+\.\d\d ms/step\)", r.measured), r
     assert rows[0].verdict == "INFO" and rows[1].verdict in ("INFO", "WARN")
     assert cuda.syncs >= 2 * 3 * sizes.bench_rounds  # around every round of 3 contenders
+
+
+# --------------------------------------------------------------------------------- (g)
+def test_deferred_rows(gc: ModuleType, cuda: FakeCuda, backend: Any, sizes: Any) -> None:
+    rows = gc.deferred_check(backend, sizes)
+    syncs = [r for r in rows if "syncs per deferred step" in r.check]
+    errors = [r for r in rows if "set_sync_debug_mode('error')" in r.check]
+    timings = [r for r in rows if "fused AdamW" in r.check]
+    n = len(sizes.models) * 2
+    assert len(syncs) == len(errors) == n and len(timings) == 2 * n
+    assert all(r.verdict == "PASS" and r.measured == "0-0 per step" for r in syncs), syncs
+    assert all(r.verdict == "PASS" and r.measured == "no error" for r in errors), errors
+    for r in timings:
+        assert re.fullmatch(r"\d+\.\d{3}x \(\d+\.\d\d vs \d+\.\d\d ms/step\)", r.measured), r
+        assert r.verdict == "INFO"
+    assert "error" in cuda.modes
+
+
+def test_a_deferred_step_that_reads_fails_and_names_the_read(
+    gc: ModuleType, cuda: FakeCuda, backend: Any, sizes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check can fail: the exact guard in the deferred rows' place reads once a step."""
+    guarded = gc.guarded
+
+    def exact(*args: Any, **kwargs: Any) -> Any:
+        kwargs["sync"] = "exact"
+        return guarded(*args, **kwargs)
+
+    monkeypatch.setattr(gc, "guarded", exact)
+    rows = gc.deferred_check(backend, sizes)
+    syncs = [r for r in rows if "syncs per deferred step" in r.check]
+    errors = [r for r in rows if "set_sync_debug_mode('error')" in r.check]
+    assert all(r.verdict == "FAIL" and "read.py" in r.measured for r in syncs), syncs
+    assert all(r.verdict == "FAIL" and "synchronizing" in r.measured for r in errors), errors

@@ -90,6 +90,8 @@ class SpeculativeUpdate:
         self.host_saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ok: torch.Tensor | None = None
         self.known: frozenset[int] = frozenset()
+        self._key: list[Any] = []
+        self._buffers: list[torch.Tensor] = []
 
     def _targets(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         out = list(params)
@@ -121,7 +123,8 @@ class SpeculativeUpdate:
         the host when it settles the step (before the next step runs)."""
         targets = self._targets(params)
         dev = ok.device
-        self.saved = [(t, t.detach().clone()) for t in targets if t.device == dev]
+        same = [t for t in targets if t.device == dev]
+        self.saved = list(zip(same, self._copies(same), strict=True))
         self.host_saved = [(t, t.detach().clone()) for t in targets if t.device != dev]
         try:
             clip()
@@ -134,8 +137,20 @@ class SpeculativeUpdate:
             ) from e
         with torch.no_grad():
             for t, old in self.saved:
-                t.copy_(torch.where(ok, t, old))
+                torch.where(ok, t, old, out=t)
         self.ok = ok
+
+    def _copies(self, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The targets copied into buffers kept from step to step (one foreach copy; new
+        buffers only when the targets change)."""
+        key = [(id(t), t.shape, t.dtype) for t in targets]
+        if key != self._key:
+            self._buffers = [torch.empty_like(t) for t in targets]
+            self._key = key
+        if targets:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, [t.detach() for t in targets])
+        return self._buffers
 
     def undo(self) -> None:
         """Put back what the update changed (the host decided against the step)."""
