@@ -93,6 +93,12 @@ class Guard:
             broadcast, FSDP's all-gathers) end at ``init_process_group(timeout=...)``.
         peer_grace_s: deprecated, no effect (a rank blocked outside the guard's
             collectives ends at the process group's own timeout).
+        sync: ``"exact"`` (default): one host read per step, decided before the update.
+            ``"deferred"``: no host read on a healthy step: the verdict is made on the
+            device, the update gated there (a bad step never moves a weight), the host
+            settles the step a call later (the next call, the next forward with grad
+            enabled, or reading the returned :class:`PendingResult`); not yet under
+            torch.distributed. See ``docs/guard.md``, "No host read on a healthy step".
 
     Two ways to drive it. ``step(closure)``: the closure runs the forward and returns
     the loss (it must capture its batch, so a replay sees the same data); a sequence
