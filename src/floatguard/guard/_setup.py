@@ -144,20 +144,14 @@ def check_log_path(log: str | os.PathLike[str] | None, response: Any) -> None:
 
 
 def check_deferred(
-    sync: object, distributed: bool, clip: Any, crew: Any, end: Any,
-    optimizer: torch.optim.Optimizer, model: nn.Module,
-) -> Any:  # fmt: skip
-    """The deferred stepper for ``sync="deferred"`` (None for ``"exact"``), or a clear
-    error for a setting the deferred mode does not serve yet."""
+    sync: object, crew: Any, end: Any, optimizer: torch.optim.Optimizer, model: nn.Module
+) -> Any:
+    """The deferred stepper for ``sync="deferred"`` (None for ``"exact"``); another value
+    is a ValueError naming it."""
     if sync == "exact":
         return None
     if sync != "deferred":
         raise ValueError(f"Guard(sync={sync!r}); use 'exact' (the default) or 'deferred'")
-    if distributed:
-        raise NotImplementedError(
-            "Guard(sync='deferred') under torch.distributed is not built yet: the device "
-            "verdict from the all-reduced read is planned; use sync='exact'"
-        )
     from floatguard.guard.deferred import DeferredStepper
 
     return DeferredStepper(crew, end, optimizer, model)

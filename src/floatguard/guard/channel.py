@@ -55,14 +55,29 @@ class Agreed:
 @dataclass(frozen=True)
 class Head:
     """The head of the packed read (device float, no sync) and how to decode its host
-    copy: ``size`` values, then ``decode(values) -> Agreed``."""
+    copy: ``size`` values, then ``decode(values) -> Agreed``; and the agreed numbers as
+    device scalars (``found``: 0 when no rank overflowed, the gradient ``norm`` and the
+    mean ``loss``, float64 where the read is), what :meth:`device_ok` decides on (the
+    deferred mode): the same on every rank, from the same reduced values."""
 
     tensor: torch.Tensor
     decode: Callable[[list[float]], Agreed]
+    found: torch.Tensor
+    norm: torch.Tensor
+    loss: torch.Tensor
 
     @property
     def size(self) -> int:
         return int(self.tensor.numel())
+
+    def device_ok(self) -> torch.Tensor:
+        """No overflow (a NaN flag counts as one), a finite norm and loss: device bool."""
+        return (self.found == 0) & torch.isfinite(self.norm) & torch.isfinite(self.loss)
+
+
+def _exact_div(t: torch.Tensor, n: float) -> torch.Tensor:
+    """``t / n`` as the host divides (a scalar divisor is a reciprocal product on CUDA)."""
+    return torch.div(t, torch.full_like(t, n))
 
 
 def _local_decode(values: list[float]) -> Agreed:
@@ -191,7 +206,8 @@ class ReadChannel:
                 if grads
                 else torch.zeros((), device=dev)
             )
-            return Head(torch.stack([found.float(), norm, loss.float()]), _local_decode)
+            t = torch.stack([found.float(), norm, loss.float()])
+            return Head(t, _local_decode, t[0], t[1], t[2])
         peers = self.peers
         if self.ddp_hook is not None:
             # DDP: every rank's gradients are the same average, so norm and overflow need
@@ -209,7 +225,9 @@ class ReadChannel:
                     found = not c.found == 0.0  # NaN counts as found
                     return Agreed(found, norm, c.loss / peers.world, c.bad_ranks)
 
-                return Head(carried, decode_carried)
+                # [found, norm_sq] (the same on every rank), then the summed loss
+                return Head(carried, decode_carried, carried[0], torch.sqrt(carried[1]),
+                            _exact_div(carried[2], peers.world))  # fmt: skip
         # By placement (guard.grad_norm): the part every element of which one rank holds
         # adds up over the ranks, the replicas' part is averaged.
         summed, averaged = self._norms.parts(grads, dev)
@@ -218,7 +236,10 @@ class ReadChannel:
         packed = pack(found, summed, averaged, loss, local_bad, peers.rank, mine)
         reduced = peers.all_reduce_sum(packed, "the guard's step read")
         assert reduced.numel() == HEAD + len(mine)
-        return Head(reduced, lambda values: self._agreed(values, step, mine))
+        world = peers.world
+        norm = torch.sqrt(reduced[1] + _exact_div(reduced[2], world))  # (pack's layout)
+        return Head(reduced, lambda values: self._agreed(values, step, mine), reduced[0], norm,
+                    _exact_div(reduced[3], world))  # fmt: skip
 
     def _agreed(self, summed: list[float], step: int, mine: list[float]) -> Agreed:
         assert self.peers is not None

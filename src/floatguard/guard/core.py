@@ -97,8 +97,8 @@ class Guard:
             ``"deferred"``: no host read on a healthy step: the verdict is made on the
             device, the update gated there (a bad step never moves a weight), the host
             settles the step a call later (the next call, the next forward with grad
-            enabled, or reading the returned :class:`PendingResult`); not yet under
-            torch.distributed. See ``docs/guard.md``, "No host read on a healthy step".
+            enabled, or reading the returned :class:`PendingResult`). See
+            ``docs/guard.md``, "No host read on a healthy step".
 
     Two ways to drive it. ``step(closure)``: the closure runs the forward and returns
     the loss (it must capture its batch, so a replay sees the same data); a sequence
@@ -170,9 +170,7 @@ class Guard:
             step_scheduler=step_scheduler, trend=trend,
         )  # fmt: skip
         self._end = StepEnd(self._c, self._scaler, optimizer)
-        self._deferred = check_deferred(
-            sync, self._distributed, self._clip, self._c, self._end, optimizer, model
-        )
+        self._deferred = check_deferred(sync, self._c, self._end, optimizer, model)
         self._ended = False
         self._c.emit.run(
             precision,

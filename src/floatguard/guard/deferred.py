@@ -35,16 +35,21 @@ snapshot steps (their state is vetted in the read).
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from floatguard.guard.read import Packed
 from floatguard.guard.types import Closure, StepResult
 
 __all__ = ["Mailbox", "Pending", "PendingResult", "SpeculativeUpdate"]
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 class Mailbox:
@@ -62,8 +67,12 @@ class Mailbox:
         if t.dtype not in (torch.float32, torch.float64):
             t = t.double()
         if self.host is None or self.host.shape != t.shape or self.host.dtype != t.dtype:
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            self.view = self.host.numpy()
+            if t.is_cuda:  # page-locked, so the copy can run without the host waiting
+                self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self.view = self.host.numpy()  # (a host tensor's view, made once)
+            else:  # the numpy buffer first, the tensor over it: nothing read, ever
+                self.view = np.empty(tuple(t.shape), dtype=_NUMPY[t.dtype])
+                self.host = torch.from_numpy(self.view)
         self.host.copy_(t, non_blocking=t.is_cuda)
         self.event = None
         if t.is_cuda:
@@ -79,6 +88,35 @@ class Mailbox:
             self.event.synchronize()  # waits for the copy, not for a read of the device
         values: list[float] = self.view.tolist()
         return values
+
+
+def frozen(closure: Closure) -> Closure:
+    """``closure`` with the variables it reads bound to their values now, for a replay
+    when the step settles a call later: a loop's ``lambda: loss(model(x), y)`` reads
+    ``x`` and ``y`` when called, and by then they are the next batch's. A plain function
+    gets its closure cells copied (a loop inside a function) and, when it reads module
+    globals (a loop in a script), a shallow copy of its globals; defaults stay bound.
+    Anything else (a bound method, a partial, a callable object) is kept as it is: bind
+    the batch yourself (``lambda x=x, y=y: ...``)."""
+    if not isinstance(closure, types.FunctionType):
+        return closure
+    code = closure.__code__
+    cells = None
+    if closure.__closure__ is not None:
+        cells = tuple(_frozen_cell(c) for c in closure.__closure__)
+    glob = closure.__globals__
+    if code.co_names and any(n in glob for n in code.co_names):
+        glob = dict(glob)
+    f = types.FunctionType(code, glob, closure.__name__, closure.__defaults__, cells)
+    f.__kwdefaults__ = closure.__kwdefaults__
+    return f
+
+
+def _frozen_cell(cell: Any) -> Any:
+    try:
+        return types.CellType(cell.cell_contents)
+    except ValueError:  # an empty cell (a name not yet bound): keep the live one
+        return cell
 
 
 class SpeculativeUpdate:
@@ -267,12 +305,12 @@ class DeferredStepper:
         """The step's read packed, its update gated on the device, its read posted."""
         c = self._c
         packed: Packed = c.reader.pack(step, c.runner.mean_loss())
-        head = packed.head.tensor  # the local layout: [found_inf, norm, mean loss]
-        ok = (head[0] <= 0) & torch.isfinite(head[1]) & torch.isfinite(head[2])
+        head = packed.head  # the agreed found, norm and loss (the same on every rank)
+        ok = head.device_ok()
         # a spike against the detectors' bars (host floats as of the step before: what
         # the exact mode's check compares with), in float64 as the host compares
         sw = c.spike_watch
-        for detector, value in ((sw.loss, head[2]), (sw.grad_norm, head[1])):
+        for detector, value in ((sw.loss, head.loss), (sw.grad_norm, head.norm)):
             bar = detector.bar() if detector is not None else None
             if bar is not None and bar < math.inf:
                 ok = ok & ~(value.double() > bar)
@@ -283,16 +321,18 @@ class DeferredStepper:
         last_update = c.updates.last()  # the last update that stood, until this one does
         self.update.run(
             params, ok,
-            lambda: c.clipper.apply_on_device(params, grads, head[1]),
+            lambda: c.clipper.apply_on_device(params, grads, head.norm),
             lambda: c.actor.optimizer_step(lr_factor),
         )  # fmt: skip
+        c.state.gate_buffers(ok)  # the forward's running statistics, gated alike
         self.mailbox.post(
             torch.cat([packed.tensor.reshape(-1), ok.reshape(1).to(packed.tensor.dtype)])
         )
         result = PendingResult(step, self._decided)
         self.pending = Pending(
-            step, packed, list(closures), self.mailbox, self.update, result, last_update
-        )
+            step, packed, [frozen(f) for f in closures], self.mailbox, self.update, result,
+            last_update,
+        )  # fmt: skip
         self.deferred_steps += 1
         return result
 

@@ -78,6 +78,17 @@ class StepState:
                 for bufs, copies in local_groups([b for b, _ in pairs], [c for _, c in pairs]):
                     torch._foreach_copy_(bufs, copies)
 
+    def gate_buffers(self, keep: torch.Tensor) -> None:
+        """Keep the buffers the step's forward wrote only where ``keep`` (a device bool),
+        else the saved ones: ``where(keep, now, saved)``, no sync (the guard's deferred
+        mode gates BatchNorm's running statistics as it gates the weights)."""
+        current = {n: getattr(m, a) for n, m, a in self._where}
+        with torch.no_grad():
+            for n, c in zip(self._names, self._copies, strict=True):
+                b = current.get(n)
+                if b is not None and b.shape == c.shape and b.dtype == c.dtype:
+                    torch.where(keep.to(b.device), b, c, out=b)
+
     def restore_rng(self) -> None:
         set_rng_state(self.rng)
 
