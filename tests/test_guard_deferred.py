@@ -442,3 +442,44 @@ def test_a_closure_that_reads_the_loop_variables_replays_its_own_batch(scope: st
         guard.close()
     assert causes["exact"][6] == ("skipped", "nonfinite_input")
     assert causes["deferred"] == causes["exact"]
+
+
+def test_a_dropped_deferred_guard_lets_go_of_its_snapshot_folder(tmp_path: Any) -> None:
+    """As in the exact mode, a guard dropped without close() is collected and lets go of
+    its folder (its forward hook and its results hold it weakly), so a crash-resume in
+    the same process works; a result never settled says so when read."""
+    import gc
+
+    model, optimizer = make("adam")
+    response = ResponsePolicy(snapshot_dir=str(tmp_path / "snaps"), snapshot_every=2)
+    guard = Guard(model, optimizer, sync="deferred", response=response)
+    results = [guard.step(closure(model, x, y)) for x, y in batches(6)]
+    assert not results[-1].settled
+    del guard
+    gc.collect()
+    model2, optimizer2 = make("adam", seed=1)
+    guard2 = Guard(model2, optimizer2, sync="deferred", response=response)
+    assert guard2.resume() == 4  # the newest snapshot on disk
+    with pytest.raises(RuntimeError, match="step 5 was never decided: its guard was dropped"):
+        _ = results[-1].action
+    guard2.close()
+    hooks = [getattr(h, "__name__", "") for h in model._forward_pre_hooks.values()]
+    assert "before_forward" not in hooks  # the dropped deferred stepper's hook went with it
+
+
+def test_reading_a_stopped_steps_result_raises_the_stop() -> None:
+    model, optimizer = make()
+    guard = Guard(model, optimizer, sync="deferred",
+                  response=ResponsePolicy(rollback_after=1, max_rollbacks=1))  # fmt: skip
+    results = []
+    with pytest.raises(GuardStopped) as stopped:
+        for i, (x, y) in enumerate(batches(20)):
+            if i >= 8:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")  # a bad weight, again and again
+            results.append(guard.step(closure(model, x, y)))
+    last = results[-1]
+    with pytest.raises(GuardStopped) as again:
+        _ = last.action
+    assert again.value is stopped.value
+    guard.close()

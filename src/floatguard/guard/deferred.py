@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -216,23 +217,50 @@ _LAZY = frozenset(f.name for f in fields(StepResult)) - {"step"}
 class PendingResult(StepResult):
     """A deferred step's :class:`StepResult`: ``step`` is known at once; reading any
     other field settles the step first (waits for its read: the caller's explicit
-    sync) and returns the decided value."""
+    sync) and returns the decided value. A step whose settling raised (a GuardStopped
+    decided for it) raises that again when read. It holds its guard weakly: a guard
+    dropped before the step settled is named when the result is read."""
 
-    def __init__(self, step: int, settle: Callable[[], StepResult]) -> None:
+    def __init__(self, step: int, stepper: DeferredStepper) -> None:
         object.__setattr__(self, "step", step)
-        object.__setattr__(self, "_settle", settle)
+        object.__setattr__(self, "_stepper", weakref.ref(stepper))
         object.__setattr__(self, "_decided", None)
+        object.__setattr__(self, "_error", None)
 
     def __getattribute__(self, name: str) -> Any:
         if name in _LAZY:
             decided = object.__getattribute__(self, "_decided")
             if decided is None:
-                decided = object.__getattribute__(self, "_settle")()
+                decided = object.__getattribute__(self, "_resolve")()
             return getattr(decided, name)
         return object.__getattribute__(self, name)
 
+    def _resolve(self) -> StepResult:
+        error = object.__getattribute__(self, "_error")
+        if error is not None:
+            raise error
+        stepper = object.__getattribute__(self, "_stepper")()
+        step = object.__getattribute__(self, "step")
+        if stepper is None:
+            raise RuntimeError(
+                f"floatguard: step {step} was never decided: its guard was dropped (or "
+                "closed after an error) before the step settled"
+            )
+        stepper.settle()
+        error = object.__getattribute__(self, "_error")
+        if error is not None:
+            raise error
+        decided: StepResult | None = object.__getattribute__(self, "_decided")
+        if decided is None:
+            raise RuntimeError(f"floatguard: step {step} was never decided")
+        return decided
+
     def decide(self, result: StepResult) -> None:
         object.__setattr__(self, "_decided", result)
+
+    def fail(self, error: BaseException) -> None:
+        """The step's settling raised ``error`` (reading the result raises it again)."""
+        object.__setattr__(self, "_error", error)
 
     @property
     def settled(self) -> bool:
@@ -272,11 +300,17 @@ class DeferredStepper:
         # step is settled when a forward with grad enabled begins, so a rollback or an
         # undo lands before the forward reads the weights (a no_grad evaluation forward
         # does not wait for the host).
-        self._hook = model.register_forward_pre_hook(self._before_forward, prepend=True)
+        # (held weakly: a guard dropped without close() is collected and lets go of its
+        # snapshot folder, as in the exact mode; the hook then does nothing)
+        me = weakref.ref(self)
 
-    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self.pending is not None and torch.is_grad_enabled():
-            self.settle()
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            stepper = me()
+            if stepper is not None and stepper.pending is not None and torch.is_grad_enabled():
+                stepper.settle()
+
+        self._hook = model.register_forward_pre_hook(before_forward, prepend=True)
+        weakref.finalize(self, self._hook.remove)
 
     def remove(self) -> None:
         """Detach the forward hook (the guard is closed)."""
@@ -328,22 +362,12 @@ class DeferredStepper:
         self.mailbox.post(
             torch.cat([packed.tensor.reshape(-1), ok.reshape(1).to(packed.tensor.dtype)])
         )
-        result = PendingResult(step, self._decided)
+        result = PendingResult(step, self)
         self.pending = Pending(
             step, packed, [frozen(f) for f in closures], self.mailbox, self.update, result,
             last_update,
         )  # fmt: skip
         self.deferred_steps += 1
-        return result
-
-    def _decided(self) -> StepResult:
-        """A PendingResult was read: settle (if still pending) and return its result."""
-        result = self.settle()
-        if result is None:
-            raise RuntimeError(
-                "floatguard: this deferred step was not decided: its settling raised "
-                "earlier (e.g. GuardStopped at the next step's start)"
-            )
         return result
 
     def settle(self) -> StepResult | None:
@@ -372,7 +396,8 @@ class DeferredStepper:
             result: StepResult = self._end.act(p.step, read, verdict, p.closures, (p.update, kept))
             if result.action == "applied" and kept:  # the device's update stands
                 c.updates.restore(own)
-        except BaseException:
+        except BaseException as e:
+            p.result.fail(e)
             if not c.run.applied():  # as the exact mode: the step leaves no trace
                 p.update.undo()
                 c.run.step_count = p.step
