@@ -74,6 +74,10 @@ def make(opt: str = "sgd", seed: int = 0) -> tuple[nn.Module, torch.optim.Optimi
         return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     if opt == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if opt == "adamw_fused":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if opt == "sgd_fused":
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -482,4 +486,25 @@ def test_reading_a_stopped_steps_result_raises_the_stop() -> None:
     with pytest.raises(GuardStopped) as again:
         _ = last.action
     assert again.value is stopped.value
+    guard.close()
+
+
+@pytest.mark.parametrize("opt", ["adamw_fused", "sgd_fused"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_fused_optimizer_skips_on_the_device_with_found_inf(name: str, opt: str) -> None:
+    """torch's fused Adam/AdamW/SGD take found_inf and skip on the device: the deferred
+    mode hands them ``not ok`` and keeps no copies (no spike detector the host could
+    overrule the device with), with the exact mode's decisions and weights."""
+    exact = run("exact", SCENARIOS[name], opt)
+    deferred = run("deferred", SCENARIOS[name], opt)
+    assert same(deferred[0], exact[0]), (deferred[0], exact[0])
+    assert deferred[2] == exact[2]
+    for a, b in zip(exact[1], deferred[1], strict=True):
+        assert torch.equal(a, b)
+    model, optimizer = make(opt)
+    guard = Guard(model, optimizer, sync="deferred")
+    for x, y in batches(4):
+        guard.step(closure(model, x, y))
+    update = guard._deferred.update  # the test looks inside: no copies were made
+    assert update.fused() and update.uncopied and not update._buffers
     guard.close()

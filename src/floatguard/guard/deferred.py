@@ -131,6 +131,7 @@ class SpeculativeUpdate:
         self.known: frozenset[int] = frozenset()
         self._key: list[Any] = []
         self._buffers: list[torch.Tensor] = []
+        self.uncopied = False
 
     def _targets(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         out = list(params)
@@ -149,17 +150,41 @@ class SpeculativeUpdate:
         """An exact step updated ``params``: their optimizer state now exists."""
         self.known = frozenset(id(p) for p in params)
 
+    def fused(self) -> bool:
+        """Whether the optimizer skips an update on the device by itself: torch's fused
+        Adam, AdamW and SGD take ``found_inf`` (GradScaler's flag) and leave weights,
+        moments and step counters as they were when it is 1."""
+        opt = self.optimizer
+        return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
+            bool(g.get("fused")) for g in opt.param_groups
+        )
+
     def run(
         self,
         params: list[torch.Tensor],
         ok: torch.Tensor,
         clip: Callable[[], None],
         step: Callable[[], None],
+        undoable: bool = True,
     ) -> None:
         """Copy the parameters and optimizer tensors, clip, step, and keep the update
         only where ``ok`` (a device bool): ``where(ok, new, old)``. Optimizer tensors on
         another device than ``ok`` (Adam's CPU ``step`` on a CUDA run) are put back by
-        the host when it settles the step (before the next step runs)."""
+        the host when it settles the step (before the next step runs). ``undoable=False``
+        (the host will not overrule the device: every spike detector compares on the
+        device) with a fused optimizer: no copies, ``found_inf = not ok`` handed to the
+        optimizer, which skips on the device."""
+        self.uncopied = False
+        if not undoable and self.fused():
+            clip()
+            opt: Any = self.optimizer
+            opt.found_inf = (~ok).to(torch.float32)
+            try:
+                step()
+            finally:
+                del opt.found_inf
+            self.saved, self.host_saved, self.ok, self.uncopied = [], [], ok, True
+            return
         targets = self._targets(params)
         dev = ok.device
         same = [t for t in targets if t.device == dev]
@@ -193,6 +218,11 @@ class SpeculativeUpdate:
 
     def undo(self) -> None:
         """Put back what the update changed (the host decided against the step)."""
+        if self.uncopied and self.ok is not None:
+            raise RuntimeError(
+                "floatguard: the host overruled a fused optimizer's device decision it "
+                "was told would stand (no copies were kept); please report this"
+            )
         with torch.no_grad():
             for t, old in self.saved + self.host_saved:
                 t.copy_(old)
@@ -353,10 +383,13 @@ class DeferredStepper:
         params, grads, _ = c.reader.params_with_grads()
         lr_factor = c.run.ladder.lr_factor
         last_update = c.updates.last()  # the last update that stood, until this one does
+        # the host can only overrule the device where a detector has no bar to compare
+        # on the device (lesson): then the update is kept undoable (copies)
+        undoable = any(d is not None and d.bar() is None for d in (sw.loss, sw.grad_norm))
         self.update.run(
             params, ok,
             lambda: c.clipper.apply_on_device(params, grads, head.norm),
-            lambda: c.actor.optimizer_step(lr_factor),
+            lambda: c.actor.optimizer_step(lr_factor), undoable,
         )  # fmt: skip
         c.state.gate_buffers(ok)  # the forward's running statistics, gated alike
         self.mailbox.post(
