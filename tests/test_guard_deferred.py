@@ -508,3 +508,24 @@ def test_a_fused_optimizer_skips_on_the_device_with_found_inf(name: str, opt: st
     update = guard._deferred.update  # the test looks inside: no copies were made
     assert update.fused() and update.uncopied and not update._buffers
     guard.close()
+
+
+def test_plain_sgd_without_state_is_deferred_too() -> None:
+    """An optimizer that keeps no state (SGD without momentum) is gated from its second
+    step on, as the others: no read on those steps, the exact mode's weights."""
+    torch.manual_seed(0)
+    out = {}
+    for sync in ("exact", "deferred"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = Guard(model, optimizer, sync=sync)  # type: ignore[arg-type]
+        reads = []
+        for i, b in enumerate(batches(8)):
+            with host_reads() as log:
+                guard.step(closure(model, *_nan_input(i, b)))
+            reads.append(sum(who.startswith("floatguard") for _, who in log))
+        guard.close()
+        out[sync] = (reads, [p.detach().clone() for p in model.parameters()])
+    assert out["deferred"][0][2:5] == [0, 0, 0], out["deferred"][0]
+    assert all(torch.equal(a, b) for a, b in zip(out["exact"][1], out["deferred"][1], strict=True))

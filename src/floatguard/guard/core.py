@@ -370,9 +370,10 @@ class Guard:
             verdict: StepVerdict = self._c.judge.judge(
                 step, read, closures, vetted, run.ladder, run.previous_applied
             )
+            updated = self._deferred.params() if self._deferred is not None else []
             decided = self._end.act(step, read, verdict, closures)
-            if self._deferred is not None:
-                self._deferred.after_exact()
+            if self._deferred is not None and decided.action == "applied":
+                self._deferred.after_exact(updated)
             return decided
         except BaseException:
             if not run.applied():  # the step did not happen: as if it had not begun

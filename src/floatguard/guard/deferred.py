@@ -359,11 +359,16 @@ class DeferredStepper:
                 return False
         return self.update.can_gate(params)
 
-    def after_exact(self) -> None:
-        """An exact step ended: the optimizer's state covers its parameters now."""
-        params = [p for g in self.update.optimizer.param_groups for p in g["params"]]
-        state = self.update.optimizer.state
-        self.update.after_exact([p for p in params if state.get(p)])
+    def params(self) -> list[torch.Tensor]:
+        """This step's parameters with a gradient (what its update will touch)."""
+        params: list[torch.Tensor] = self._c.reader.params_with_grads()[0]
+        return params
+
+    def after_exact(self, updated: list[torch.Tensor]) -> None:
+        """An exact step applied an update to ``updated``: whatever state the optimizer
+        keeps for them exists now (none for plain SGD), so their next updates can be
+        gated."""
+        self.update.after_exact(updated)
 
     def start(self, step: int, closures: list[Closure]) -> PendingResult:
         """The step's read packed, its update gated on the device, its read posted."""
