@@ -234,8 +234,10 @@ def test_one_host_read_per_step() -> None:
             with guard.autocast():
                 loss = ((model(x).float() - y) ** 2).mean()
             guard.backward(loss)
-            guard.step()
-        assert counter.calls == ["tolist"], counter.calls
+            r = guard.step()
+        # exact: the one read; deferred: none on a step it ran deferred
+        deferred = guard.sync == "deferred" and not r.settled
+        assert counter.calls == ([] if deferred else ["tolist"]), counter.calls
 
 
 def test_fp16_overflow_backs_off_the_scale_and_skips() -> None:

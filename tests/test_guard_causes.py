@@ -385,7 +385,7 @@ def test_the_same_fault_after_a_rollback_stops_the_run() -> None:
 
     assert guard.step(corrupt).action == "rolled_back"
     with pytest.raises(Exception, match=r"same deterministic fault") as ei:
-        guard.step(corrupt)
+        guard.step(corrupt).action  # noqa: B018 (deferred: reading the result settles it)
     assert "param:bias" in str(ei.value)
     assert guard.events.of_kind("stop")[0]["reason"] == "repeated_fault"
 

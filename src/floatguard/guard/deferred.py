@@ -248,12 +248,13 @@ class PendingResult(StepResult):
     """A deferred step's :class:`StepResult`: ``step`` is known at once; reading any
     other field settles the step first (waits for its read: the caller's explicit
     sync) and returns the decided value. A step whose settling raised (a GuardStopped
-    decided for it) raises that again when read. It holds its guard weakly: a guard
-    dropped before the step settled is named when the result is read."""
+    decided for it) raises that again when read. Until it is decided it holds its
+    guard (an unread step can still be settled through it); a decided result does
+    not keep its guard alive."""
 
     def __init__(self, step: int, stepper: DeferredStepper) -> None:
         object.__setattr__(self, "step", step)
-        object.__setattr__(self, "_stepper", weakref.ref(stepper))
+        object.__setattr__(self, "_stepper", stepper)
         object.__setattr__(self, "_decided", None)
         object.__setattr__(self, "_error", None)
 
@@ -269,13 +270,10 @@ class PendingResult(StepResult):
         error = object.__getattribute__(self, "_error")
         if error is not None:
             raise error
-        stepper = object.__getattribute__(self, "_stepper")()
+        stepper = object.__getattribute__(self, "_stepper")
         step = object.__getattribute__(self, "step")
         if stepper is None:
-            raise RuntimeError(
-                f"floatguard: step {step} was never decided: its guard was dropped (or "
-                "closed after an error) before the step settled"
-            )
+            raise RuntimeError(f"floatguard: step {step} was never decided")
         stepper.settle()
         error = object.__getattribute__(self, "_error")
         if error is not None:
@@ -287,10 +285,12 @@ class PendingResult(StepResult):
 
     def decide(self, result: StepResult) -> None:
         object.__setattr__(self, "_decided", result)
+        object.__setattr__(self, "_stepper", None)
 
     def fail(self, error: BaseException) -> None:
         """The step's settling raised ``error`` (reading the result raises it again)."""
         object.__setattr__(self, "_error", error)
+        object.__setattr__(self, "_stepper", None)
 
     @property
     def settled(self) -> bool:
