@@ -280,7 +280,8 @@ class Guard:
         with when the step is applied (default: the step's loss).
         """
         try:
-            self.settle()  # (deferred mode) the previous step's decision, first
+            if self._deferred is not None:  # the previous step's decision, first
+                self._deferred.settle()  # (a failure is announced below, once)
             self._c.actor.metric = (
                 None if metric is None else float(metric)  # a tensor is read: the caller's
             )
