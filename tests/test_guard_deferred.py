@@ -536,3 +536,28 @@ def test_plain_sgd_without_state_is_deferred_too() -> None:
         out[sync] = (reads, [p.detach().clone() for p in model.parameters()])
     assert out["deferred"][0][2:5] == [0, 0, 0], out["deferred"][0]
     assert all(torch.equal(a, b) for a, b in zip(out["exact"][1], out["deferred"][1], strict=True))
+
+
+def test_a_settling_that_raises_after_a_fused_update_says_it_stands() -> None:
+    """A fused optimizer skips on the device and keeps no copies: when the host's
+    bookkeeping raises after the device kept the update, the error is raised and a
+    RuntimeWarning says the weights hold the update (it cannot be undone)."""
+    model, optimizer = make("adamw_fused")
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
+    guard = Guard(model, optimizer, scheduler=sched, sync="deferred")
+    data = batches(6)
+    for x, y in data[:3]:
+        guard.step(closure(model, x, y))
+    guard.settle()
+
+    def fail(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("injected")
+
+    sched.step = fail  # type: ignore[method-assign]
+    x, y = data[3]
+    guard.step(closure(model, x, y))
+    with pytest.warns(RuntimeWarning, match="cannot be undone"):
+        with pytest.raises(RuntimeError, match="injected"):
+            guard.settle()
+    del sched.step
+    guard.close()

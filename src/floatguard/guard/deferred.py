@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -220,8 +221,8 @@ class SpeculativeUpdate:
         """Put back what the update changed (the host decided against the step)."""
         if self.uncopied and self.ok is not None:
             raise RuntimeError(
-                "floatguard: the host overruled a fused optimizer's device decision it "
-                "was told would stand (no copies were kept); please report this"
+                "a fused optimizer's update, kept on the device with found_inf, cannot be "
+                "undone: no copies were kept (the weights hold this step's update)"
             )
         with torch.no_grad():
             for t, old in self.saved + self.host_saved:
@@ -437,7 +438,11 @@ class DeferredStepper:
         except BaseException as e:
             p.result.fail(e)
             if not c.run.applied():  # as the exact mode: the step leaves no trace
-                p.update.undo()
+                try:
+                    p.update.undo()
+                except RuntimeError as kept_anyway:  # a fused update: no copies to undo
+                    warnings.warn(f"floatguard: step {p.step}: {kept_anyway}", RuntimeWarning,
+                                  stacklevel=2)  # fmt: skip
                 c.run.step_count = p.step
                 c.scratch.undo()
                 c.keeper.abort_step()
