@@ -341,18 +341,25 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Ten
     return out
 
 
-@pytest.mark.parametrize("where", ["optimizer.step", "scheduler.step (at settling)"])
-def test_a_raise_in_a_deferred_step_leaves_no_trace(where: str) -> None:
-    """Whole or not at all: an optimizer that raises mid-update (its copies put back), or
-    a scheduler that raises when the host settles the step (the device's update undone,
-    the step count and gradients as if the step had not begun)."""
-    model, optimizer = make("adam")
+def _three_settled_steps(opt: str) -> tuple[Any, ...]:
+    """A deferred guard with a LambdaLR scheduler after three steps, all settled: model,
+    optimizer, scheduler, guard and the run's batches."""
+    model, optimizer = make(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
     guard = Guard(model, optimizer, scheduler=sched, sync="deferred")
     data = batches(10)
     for x, y in data[:3]:
         guard.step(closure(model, x, y))
     guard.settle()
+    return model, optimizer, sched, guard, data
+
+
+@pytest.mark.parametrize("where", ["optimizer.step", "scheduler.step (at settling)"])
+def test_a_raise_in_a_deferred_step_leaves_no_trace(where: str) -> None:
+    """Whole or not at all: an optimizer that raises mid-update (its copies put back), or
+    a scheduler that raises when the host settles the step (the device's update undone,
+    the step count and gradients as if the step had not begun)."""
+    model, optimizer, sched, guard, data = _three_settled_steps("adam")
     before, count = _state(model, optimizer), guard.step_count
     boom = RuntimeError("injected")
 
@@ -542,13 +549,7 @@ def test_a_settling_that_raises_after_a_fused_update_says_it_stands() -> None:
     """A fused optimizer skips on the device and keeps no copies: when the host's
     bookkeeping raises after the device kept the update, the error is raised and a
     RuntimeWarning says the weights hold the update (it cannot be undone)."""
-    model, optimizer = make("adamw_fused")
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
-    guard = Guard(model, optimizer, scheduler=sched, sync="deferred")
-    data = batches(6)
-    for x, y in data[:3]:
-        guard.step(closure(model, x, y))
-    guard.settle()
+    model, _, sched, guard, data = _three_settled_steps("adamw_fused")
 
     def fail(*a: Any, **k: Any) -> Any:
         raise RuntimeError("injected")

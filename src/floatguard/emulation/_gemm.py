@@ -63,6 +63,14 @@ def _quantized(
     return t if res is None else res.values.to(torch.float32)
 
 
+def _backward_copy(
+    casts: _Casts | None, op: Operand, recipe: Any, t: torch.Tensor, source: torch.dtype | None
+) -> torch.Tensor:
+    """A backward GEMM's operand ``t``: as it is for a delayed-scaled tensor (its one
+    cast per step, made earlier and passed in transposed), else quantized for ``op``."""
+    return t if isinstance(recipe, Delayed) else _quantized(casts, op, recipe, t, source)
+
+
 def _narrowed(t: torch.Tensor, source: torch.dtype | None) -> torch.Tensor:
     """t rounded to the operand's own dtype where the reference keeps an intermediate in
     it (bf16/fp16: TE's RHT kernels write their output in the input's type)."""
@@ -145,12 +153,9 @@ class _EmulatedGemm(torch.autograd.Function):
         # What the backward copies are made from: the high-precision tensors (TE,
         # torchao), or the forward's quantized ones where the recipe says so. A
         # delayed-scaled X or W is cast once: its backward copy is the forward's.
-        a_src = (
-            aq if r.wgrad_input_from == "fprop" or isinstance(ops["wgrad_input"], Delayed) else a
-        )
-        w_src = (
-            wq if r.dgrad_weight_from == "fprop" or isinstance(ops["dgrad_weight"], Delayed) else w
-        )
+        reuse_a = r.wgrad_input_from == "fprop" or isinstance(ops["wgrad_input"], Delayed)
+        reuse_w = r.dgrad_weight_from == "fprop" or isinstance(ops["dgrad_weight"], Delayed)
+        a_src, w_src = (aq if reuse_a else a), (wq if reuse_w else w)
         ctx.save_for_backward(a_src, w_src)
         ctx.recipe, ctx.casts, ctx.source = r, casts, source
         return y
@@ -165,11 +170,7 @@ class _EmulatedGemm(torch.autograd.Function):
         da = dw = gq = None
         if ctx.needs_input_grad[0]:  # dgrad: dY [.., M, N] @ (W^T) [.., K, N]^T, reduces N
             gq = _quantized(casts, "dgrad_grad", ops["dgrad_grad"], g, source)
-            w_t = _t(w_src)
-            wq_t = (
-                w_t if isinstance(ops["dgrad_weight"], Delayed)
-                else _quantized(casts, "dgrad_weight", ops["dgrad_weight"], w_t, source)
-            )  # fmt: skip
+            wq_t = _backward_copy(casts, "dgrad_weight", ops["dgrad_weight"], _t(w_src), source)
             da = _matmul(gq, wq_t, r)
         if ctx.needs_input_grad[1]:  # wgrad: (dY^T) [.., N, M] @ (X^T) [.., K, M]^T, reduces M
             delayed_g = isinstance(ops["wgrad_grad"], Delayed)
@@ -179,15 +180,8 @@ class _EmulatedGemm(torch.autograd.Function):
                 g_t, a_t = _t(gq), _t(a_src)
             else:
                 g_t, a_t = _rht_pair(_t(g), _t(a_src), r, source)
-            gq_t = (
-                g_t
-                if delayed_g
-                else _quantized(casts, "wgrad_grad", ops["wgrad_grad"], g_t, source)
-            )
-            aq_t = (
-                a_t if isinstance(ops["wgrad_input"], Delayed)
-                else _quantized(casts, "wgrad_input", ops["wgrad_input"], a_t, source)
-            )  # fmt: skip
+            gq_t = _backward_copy(casts, "wgrad_grad", ops["wgrad_grad"], g_t, source)
+            aq_t = _backward_copy(casts, "wgrad_input", ops["wgrad_input"], a_t, source)
             dw = _matmul(gq_t, aq_t, r)
         return da, dw, None, None, None
 

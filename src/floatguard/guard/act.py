@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from floatguard.guard import policy
-from floatguard.guard.deferred import SpeculativeUpdate
 from floatguard.guard.emit import GuardEvents
 from floatguard.guard.judge import StepVerdict
 from floatguard.guard.persist import RunState
 from floatguard.guard.read import StepRead, StepReader
+from floatguard.guard.speculative import SpeculativeUpdate
 from floatguard.guard.types import Action
 from floatguard.guard.update_check import UpdateCheck
 from floatguard.monitor.localize import Fault

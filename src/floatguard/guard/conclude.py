@@ -16,9 +16,9 @@ import torch
 
 from floatguard.causes import CAUSES, Cause
 from floatguard.guard.crew import Crew
-from floatguard.guard.deferred import SpeculativeUpdate
 from floatguard.guard.judge import StepVerdict
 from floatguard.guard.read import StepRead
+from floatguard.guard.speculative import SpeculativeUpdate
 from floatguard.guard.types import Closure, StepResult
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.respond import GuardStopped

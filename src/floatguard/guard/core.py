@@ -27,7 +27,6 @@ from torch import nn
 
 from floatguard.causes import Cause
 from floatguard.distributed import GuardDesync, PeerFailed
-from floatguard.guard import policy
 from floatguard.guard._setup import (
     check_args,
     check_deferred,
@@ -38,16 +37,15 @@ from floatguard.guard.crew import build_crew
 from floatguard.guard.judge import StepVerdict
 from floatguard.guard.run import as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
+from floatguard.guard.views import GuardViews
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
-from floatguard.stability.snapshot import Snapshot
-from floatguard.stability.spike_watch import SpikeDetector
 from floatguard.stability.trend import TrendPolicy
 
 __all__ = ["Guard"]
 
 
-class Guard:
+class Guard(GuardViews):
     """Keep a training loop numerically healthy (``docs/guard.md`` has the whole story).
 
     Args:
@@ -182,61 +180,6 @@ class Guard:
             "after_clip" if clipped_before else "before_clip",
         )
 
-    # ------------------------------------------------------ read-only views
-    model = property(lambda self: self._model)
-    optimizer = property(lambda self: self._optimizer)
-    scheduler = property(lambda self: self._scheduler)
-    precision = property(lambda self: self._precision)
-    watch = property(lambda self: self._watch)
-    distributed = property(lambda self: self._distributed)
-    process_group = property(lambda self: self._process_group)
-    device = property(lambda self: self._device)
-    clip = property(lambda self: self._clip)
-    spikes = property(lambda self: self._spikes)
-    response = property(lambda self: self._response)
-    scaler = property(lambda self: self._scaler)
-    events = property(lambda self: self._c.events)
-    monitor = property(lambda self: self._c.monitor)
-    stats_monitor = property(lambda self: self._c.stats_monitor)
-
-    @property
-    def zclip(self) -> Any:
-        return self._c.clipper.zclip
-
-    @property
-    def loss_detector(self) -> SpikeDetector | None:
-        return self._c.spike_watch.loss
-
-    @property
-    def norm_detector(self) -> SpikeDetector | None:
-        return self._c.spike_watch.grad_norm
-
-    @property
-    def ladder(self) -> policy.LadderState:
-        """The response policy's counters (read-only; see :mod:`floatguard.guard.policy`)."""
-        return self._c.run.ladder
-
-    good_steps = property(lambda self: self._c.run.ladder.good_steps)
-    consecutive_bad = property(lambda self: self._c.run.ladder.consecutive_bad)
-    rollbacks = property(lambda self: self._c.run.ladder.rollbacks)
-    transients = property(lambda self: self._c.run.ladder.transients)
-    skip_remaining = property(lambda self: self._c.run.ladder.skip_remaining)
-    lr_factor = property(lambda self: self._c.run.ladder.lr_factor)
-
-    @property
-    def step_count(self) -> int:
-        """The number of guard steps taken (the index of the next step)."""
-        return self._c.run.step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self._c.run.step_count = value
-
-    @property
-    def last_snapshot(self) -> Snapshot | None:
-        """The snapshot a rollback would restore (in memory)."""
-        return self._c.keeper.snapshot
-
     # ------------------------------------------------------------ loop API
     def autocast(self) -> Any:
         """``torch.autocast`` to the guard's precision (nothing for fp32)."""
@@ -309,11 +252,6 @@ class Guard:
         except BaseException as e:
             self._c.channel.announce_failure(self.step_count, e)
             raise
-
-    @property
-    def sync(self) -> str:
-        """``"exact"`` (one host read per step) or ``"deferred"`` (none on a healthy step)."""
-        return "exact" if self._deferred is None else "deferred"
 
     @property
     def ended(self) -> bool:

@@ -5,7 +5,6 @@ The lessons referred to here: docs/lessons.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,6 +13,7 @@ import torch
 
 from floatguard._foreach import local_groups, mesh_groups, reduce_partial_grads
 from floatguard._values import grad_to_modify, stored_values
+from floatguard.stability._zclip_ops import DeviceOps, HostOps, MixedOps
 
 __all__ = [
     "ZClip",
@@ -164,116 +164,6 @@ class ZClipConfig:
             raise ValueError("ZClipConfig.clip_factor and eps must be > 0")
 
 
-class _DeviceOps:
-    """ZClip's arithmetic on float64 device tensors (no sync)."""
-
-    @staticmethod
-    def where(c: Any, a: Any, b: Any) -> Any:
-        return torch.where(c, a, b)
-
-    @staticmethod
-    def sqrt(x: Any) -> Any:
-        return torch.sqrt(x)
-
-    @staticmethod
-    def isfinite(x: Any) -> Any:
-        return torch.isfinite(x)
-
-    @staticmethod
-    def clamp_max(x: Any, m: float) -> Any:
-        return torch.clamp(x, max=m)
-
-    @staticmethod
-    def clamp_min(x: Any, m: float) -> Any:
-        return torch.clamp(x, min=m)
-
-    @staticmethod
-    def div(a: Any, b: Any) -> Any:
-        # IEEE division of tensors: a Python scalar on either side becomes a tensor
-        # (torch computes scalar / tensor as reciprocal * scalar, and CUDA divides by a
-        # scalar as a multiplication by its reciprocal: not the host's quotient)
-        if not isinstance(a, torch.Tensor):
-            a = torch.full_like(b, a)
-        if not isinstance(b, torch.Tensor):
-            b = torch.full_like(a, b)
-        return torch.div(a, b)
-
-    @staticmethod
-    def not_(x: Any) -> Any:
-        return ~x
-
-    @staticmethod
-    def num(x: Any) -> Any:
-        return x.to(torch.float64)
-
-    @staticmethod
-    def one(like: Any) -> Any:
-        return torch.ones_like(like)
-
-
-class _MixedOps(_DeviceOps):
-    """ZClip's arithmetic with the state on the host (Python floats and bools) and the
-    norm on the device: the host's coefficient, computed without reading the norm."""
-
-    @staticmethod
-    def where(c: Any, a: Any, b: Any) -> Any:
-        if isinstance(c, bool):
-            return a if c else b
-        return torch.where(c, a, b)
-
-    @staticmethod
-    def sqrt(x: Any) -> Any:
-        return torch.sqrt(x) if isinstance(x, torch.Tensor) else math.sqrt(x)
-
-
-class _HostOps:
-    """The same arithmetic on Python floats (IEEE float64, as on device): for a caller
-    that already holds the norm on the host (the guard, after its one read)."""
-
-    @staticmethod
-    def where(c: Any, a: Any, b: Any) -> Any:
-        return a if c else b
-
-    @staticmethod
-    def sqrt(x: Any) -> Any:
-        return math.sqrt(x)
-
-    @staticmethod
-    def isfinite(x: Any) -> Any:
-        return math.isfinite(x)
-
-    @staticmethod
-    def clamp_max(x: Any, m: float) -> Any:
-        return x if x <= m or x != x else m
-
-    @staticmethod
-    def clamp_min(x: Any, m: float) -> Any:
-        return x if x >= m or x != x else m
-
-    @staticmethod
-    def div(a: Any, b: Any) -> Any:
-        # IEEE division, as torch does it (Python raises on a zero divisor)
-        if b == 0:
-            return (
-                math.nan
-                if a == 0 or a != a
-                else math.copysign(math.inf, a) * (math.copysign(1.0, b))
-            )
-        return a / b
-
-    @staticmethod
-    def not_(x: Any) -> Any:
-        return not x
-
-    @staticmethod
-    def num(x: Any) -> Any:
-        return float(x)
-
-    @staticmethod
-    def one(like: Any) -> Any:
-        return 1.0
-
-
 class ZClip:
     """Adaptive gradient clipping on the EMA z-score of the gradient norm, on device.
 
@@ -301,7 +191,7 @@ class ZClip:
             raise TypeError("pass either a ZClipConfig or keyword arguments, not both")
         self.config = config or ZClipConfig(**kwargs)
         self.on_host = bool(on_host)
-        self._ops: Any = _HostOps if on_host else _DeviceOps
+        self._ops: Any = HostOps if on_host else DeviceOps
         self._state: dict[str, Any] | None = None
 
     def _init_state(self, norm: Any) -> dict[str, Any]:
@@ -370,7 +260,7 @@ class ZClip:
             coef: torch.Tensor = self.compute(norm)[2]
             return coef
         saved = self._ops
-        self._ops = _MixedOps
+        self._ops = MixedOps
         try:
             coef = self.compute(norm)[2]
         finally:
