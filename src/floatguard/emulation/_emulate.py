@@ -1,5 +1,7 @@
-"""emulate() and restore(): swapping a model's GEMM modules for emulated ones, and the
-hooks around its forward (the SDPA replacement, nn.MultiheadAttention's ``F.linear``).
+"""emulate() and restore(): swapping a model's GEMM modules for emulated ones, and
+installing the hooks around its forward (:mod:`floatguard.emulation._model_hooks`:
+the SDPA replacement, nn.MultiheadAttention's ``F.linear``; the grouped GEMMs of
+:mod:`floatguard.emulation._grouped`; the scaling state's updates).
 
 Moved out of :mod:`floatguard.emulation.fake_quant` (which re-exports ``emulate``,
 ``restore`` and ``Coverage``); the emulated modules themselves live there.
@@ -13,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from floatguard.emulation._delayed import Delayed
@@ -21,12 +22,10 @@ from floatguard.emulation._emulated_layers import (
     EmulatedConv,
     EmulatedLinear,
     _Emulated,
-    emulated_sdpa,
-    source_dtype,
 )
-from floatguard.emulation._gemm import _emulated_gemm
 from floatguard.emulation._grouped import GroupedHooks, expert_parameters
-from floatguard.emulation._scale_state import LayerCasts, ScalingState, uses_delayed
+from floatguard.emulation._model_hooks import MHAHooks, RootHooks
+from floatguard.emulation._scale_state import ScalingState, uses_delayed
 from floatguard.emulation.emulation_recipe import EmulationRecipe
 from floatguard.emulation.recipes import Tensorwise
 from floatguard.errors import FloatguardError
@@ -39,126 +38,8 @@ class NothingToEmulate(FloatguardError, ValueError):
     is itself a layer, which cannot be swapped in place); the message says why."""
 
 
-class _RootHooks:
-    """Root-module hooks around each forward of an emulated model.
-
-    ``attention``: ``F.scaled_dot_product_attention`` is replaced in
-    ``torch.nn.functional`` for the duration of the forward (and put back after it,
-    also when it raises): a TorchFunctionMode would not see the call
-    nn.MultiheadAttention makes inside ``F.multi_head_attention_forward``. A name
-    imported with ``from torch.nn.functional import scaled_dot_product_attention``
-    before emulate() is not replaced; nor are attention matmuls written with
-    ``torch.matmul`` (a forward that calls no SDPA logs a warning once).
-    ``mha``: torch's fused fast paths for nn.MultiheadAttention and
-    nn.TransformerEncoderLayer (eval mode) are turned off during the forward, so the
-    emulated projections are the ones that run. ``calls`` counts the emulated SDPA calls,
-    ``forwards`` the model's forwards (what :attr:`Coverage.attention` reads). Not
-    thread-safe: two threads running forwards at once would share the replacements."""
-
-    def __init__(self, model: nn.Module, recipe: EmulationRecipe, *, attention: bool,
-                 mha: bool) -> None:  # fmt: skip
-        self.recipe = recipe
-        self.attention = attention
-        self.mha = mha
-        self.depth = 0
-        self.calls = 0
-        self.forwards = 0
-        self.calls_before = 0
-        self.warned = False
-        self.saved: Any = None
-        self.fastpath = True
-        self.handles = [
-            model.register_forward_pre_hook(self._enter),
-            model.register_forward_hook(self._exit, always_call=True),
-        ]
-
-    def _sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.calls += 1
-
-        return emulated_sdpa(*args, recipe=self.recipe, **kwargs)
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        if self.depth == 0:
-            if self.attention:
-                self.calls_before = self.calls
-                self.saved = F.scaled_dot_product_attention
-                F.scaled_dot_product_attention = self._sdpa
-            if self.mha:
-                self.fastpath = torch.backends.mha.get_fastpath_enabled()
-                torch.backends.mha.set_fastpath_enabled(False)
-        self.depth += 1
-
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.depth -= 1
-        if self.depth != 0:
-            return
-        self.forwards += 1
-        if self.mha:
-            torch.backends.mha.set_fastpath_enabled(self.fastpath)
-        if not self.attention:
-            return
-        F.scaled_dot_product_attention = self.saved
-        if self.calls == self.calls_before and not self.warned:
-            self.warned = True
-            logging.getLogger("floatguard").warning(
-                "emulate(attention=True): %s's forward called no "
-                "scaled_dot_product_attention; its attention matmuls (if any, e.g. an "
-                "eager torch.matmul implementation) ran in high precision",
-                type(module).__name__,
-            )
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-class _MHAHooks:
-    """nn.MultiheadAttention's in- and out-projections emulated: it applies its own
-    parameters with ``F.linear`` inside ``F.multi_head_attention_forward`` (its out_proj
-    module is never called), so ``F.linear`` is the emulated GEMM during its forward."""
-
-    def __init__(
-        self, module: nn.Module, recipe: EmulationRecipe, name: str, state: ScalingState | None
-    ) -> None:
-        self.recipe = recipe
-        self.saved: Any = None
-        # one scaling state per projection weight (in_proj, out_proj, q/k/v_proj)
-        self.casts: dict[int, LayerCasts] = {}
-        if state is not None:
-            for pname, p in module.named_parameters():
-                if p.dim() == 2:
-                    self.casts[id(p)] = state.layer(f"{name}.{pname}", p.device)
-        self.handles = [
-            module.register_forward_pre_hook(self._enter),
-            module.register_forward_hook(self._exit, always_call=True),
-        ]
-
-    def _linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        root = weight  # cross-attention splits in_proj_weight into q and kv views
-        while root._base is not None:
-            root = root._base
-        casts = self.casts.get(id(weight), self.casts.get(id(root)))
-        y = _emulated_gemm(x.float(), weight.float(), self.recipe, casts, source_dtype(x))
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        self.saved = F.linear
-        F.linear = self._linear  # type: ignore[assignment]
-
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        F.linear = self.saved
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-_ROOT: weakref.WeakKeyDictionary[nn.Module, _RootHooks] = weakref.WeakKeyDictionary()
-_MHA: weakref.WeakKeyDictionary[nn.Module, _MHAHooks] = weakref.WeakKeyDictionary()
+_ROOT: weakref.WeakKeyDictionary[nn.Module, RootHooks] = weakref.WeakKeyDictionary()
+_MHA: weakref.WeakKeyDictionary[nn.Module, MHAHooks] = weakref.WeakKeyDictionary()
 _STATE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _GROUPED: weakref.WeakKeyDictionary[nn.Module, GroupedHooks] = weakref.WeakKeyDictionary()
 
@@ -179,7 +60,7 @@ class Coverage(list[str]):
         swapped: list[str],
         left: dict[str, list[str]],
         attention: bool = False,
-        hooks: _RootHooks | None = None,
+        hooks: RootHooks | None = None,
         scaling: ScalingState | None = None,
     ) -> None:
         super().__init__(swapped)
@@ -393,7 +274,7 @@ def emulate(
             wanted = not modules or isinstance(module, modules)
             skipped = skip(name, module) if callable(skip) else any(s in name for s in skip)
             if wanted and not skipped and module not in _MHA:
-                _MHA[module] = _MHAHooks(module, recipe, name, state)
+                _MHA[module] = MHAHooks(module, recipe, name, state)
                 mha_hooked = True
                 swapped.append(name)
             else:
@@ -450,7 +331,7 @@ def emulate(
             sharded,
         )
     if attention or mha_hooked:
-        _ROOT[model] = _RootHooks(model, recipe, attention=attention, mha=mha_hooked)
+        _ROOT[model] = RootHooks(model, recipe, attention=attention, mha=mha_hooked)
         coverage = Coverage(swapped, left, attention, _ROOT[model], state)
     if state is not None and delayed:
         _STATE[model] = model.register_forward_hook(state.after_forward, always_call=True)
