@@ -59,6 +59,10 @@ class BatchInputs:
         calls, self._calls = self._calls, []
         return calls
 
+    def put(self, calls: list[tuple[Any, ...]]) -> None:
+        """Record ``calls`` again (before any recorded since): a held step's inputs."""
+        self._calls = [*calls, *self._calls]
+
     def identity(self, step: int, calls: list[tuple[Any, ...]]) -> dict[str, Any] | None:
         """The batch identity of a step given ``calls`` (None when none was recorded)."""
         if not calls:

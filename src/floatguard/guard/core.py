@@ -94,8 +94,9 @@ class Guard(GuardViews):
         sync: ``"exact"`` (default): one host read per step, decided before the update.
             ``"deferred"``: no host read on a healthy step: the verdict is made on the
             device, the update gated there (a bad step never moves a weight), the host
-            settles the step a call later (the next call, the next forward with grad
-            enabled, or reading the returned :class:`PendingResult`). See
+            settles the step a call later (the next ``step(closure)`` after its forward
+            and backward, another call, the next forward with grad enabled, or reading
+            the returned :class:`PendingResult`). See
             ``docs/guard.md``, "No host read on a healthy step".
 
     Two ways to drive it. ``step(closure)``: the closure runs the forward and returns
@@ -189,7 +190,6 @@ class Guard(GuardViews):
         """Backward of the (scaled, for fp16) loss; the loss is kept for the step's
         decision. May be called several times before :meth:`step` (gradient
         accumulation): the step is decided on the mean loss."""
-        self.settle()
         self._c.runner.backward(loss)
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -223,12 +223,18 @@ class Guard(GuardViews):
         with when the step is applied (default: the step's loss).
         """
         try:
-            if self._deferred is not None:  # the previous step's decision, first
-                self._deferred.settle()  # (a failure is announced below, once)
+            closures, ahead = as_closures(closure), False
+            if self._deferred is not None:  # the previous step's decision, first (after
+                # this step's forward and backward where they may run ahead; a failure
+                # is announced below, once)
+                begun = self._deferred.begin(closures, replay, self._c.runner.run)
+                if isinstance(begun, StepResult):
+                    return begun
+                closures, replay, ahead = begun
             self._c.actor.metric = (
                 None if metric is None else float(metric)  # a tensor is read: the caller's
             )
-            return self._step(closure, replay)
+            return self._step(closures, replay, ahead)
         except (PeerFailed, GuardDesync) as e:
             self._c.channel.stopped(self.step_count, e)  # the stop event, once
             raise
@@ -269,10 +275,12 @@ class Guard(GuardViews):
             raise
 
     def _step(
-        self, closure: Closure | Sequence[Closure] | None, replay: Sequence[Closure] | None
+        self, closures: list[Closure], replay: Sequence[Closure] | None, ahead: bool = False
     ) -> StepResult:
-        closures, run, keeper = as_closures(closure), self._c.run, self._c.keeper
-        guard_runs_forward = bool(closures)  # (else the caller ran it: the three-call loop)
+        run, keeper = self._c.run, self._c.keeper
+        # (else the caller ran it: the three-call loop; ``ahead``: the guard ran this
+        # step's closures before settling the previous step, ``replay`` holds them)
+        guard_runs_forward = bool(closures) or ahead
         self._c.channel.begin(run.step_count)  # a peer failed, finished or exited: stop now
         if not closures and not self._c.runner.losses:
             raise RuntimeError("call guard.backward(loss) before guard.step(), or pass a closure")

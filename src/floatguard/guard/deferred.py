@@ -16,9 +16,14 @@ reading it:
   non-blocking copy, with a CUDA event (on CPU the copy is a plain copy), read through
   a numpy view once it is ready, no tensor read at all.
 
-The host *settles* the step later (:class:`Pending`): at the latest when the next step
-begins (also at :meth:`Guard.backward`, ``record_loss``, ``finish``, ``close``, the state
-methods, or when the step's :class:`PendingResult` is read: the user's explicit sync).
+The step's work (gradients, losses, batch) is held apart at once, so the next step
+begins clean. The host *settles* the step later (:class:`Pending`): a closure step runs
+its forward and backward first and settles after (:meth:`DeferredStepper.run_ahead`: the
+host waits for the read while the device works); otherwise when the next step begins,
+when a forward with grad enabled begins, at ``finish``, ``close``, the state methods,
+or when the step's :class:`PendingResult` is read (the user's explicit sync). Work the
+next step began is held apart while the step settles, and run again (or, without
+closures to run it from, skipped) where the settling changed what it used.
 Settling decodes the mailbox and runs the exact mode's judgement and actor on it: a step
 the policy applies and the device applied is only booked (scheduler, scaler growth,
 detectors); a step the policy does not apply (a spike, a skipped batch, a rollback, a
@@ -37,14 +42,17 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from floatguard.guard.read import Packed
+from floatguard.guard.scratch import Leftovers
 from floatguard.guard.speculative import Mailbox, SpeculativeUpdate, frozen
 from floatguard.guard.types import Closure, StepResult
+from floatguard.stability.step_state import set_rng_state
 
 __all__ = ["DeferredStepper", "Pending", "PendingResult"]
 
@@ -118,6 +126,7 @@ class Pending:
     update: SpeculativeUpdate
     result: PendingResult
     last_update: Any = None
+    held: Leftovers = field(default_factory=Leftovers)  # its gradients, losses, batch
 
 
 class DeferredStepper:
@@ -134,6 +143,14 @@ class DeferredStepper:
         self.mailbox = Mailbox()
         self.pending: Pending | None = None
         self.deferred_steps = 0
+        self.ahead_steps = 0  # steps whose forward and backward ran before the settling
+        # what a settling changed that the next step's begun work used: "rolled_back",
+        # "update" (undone or redone), "scale" (the fp16 loss scale, by scale_ratio),
+        # "raised"; None: nothing
+        self.stale: str | None = None
+        self.scale_ratio = 1.0
+        self._ahead = False
+        self._running_stats = self._c.state.has_running_stats()
         # The three-call loop runs the next forward before any guard call: the pending
         # step is settled when a forward with grad enabled begins, so a rollback or an
         # undo lands before the forward reads the weights (a no_grad evaluation forward
@@ -144,7 +161,12 @@ class DeferredStepper:
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
             stepper = me()
-            if stepper is not None and stepper.pending is not None and torch.is_grad_enabled():
+            if (
+                stepper is not None
+                and stepper.pending is not None
+                and not stepper._ahead
+                and torch.is_grad_enabled()
+            ):
                 stepper.settle()
 
         self._hook = model.register_forward_pre_hook(before_forward, prepend=True)
@@ -214,7 +236,106 @@ class DeferredStepper:
             last_update,
         )  # fmt: skip
         self.deferred_steps += 1
+        # the step's work is held apart (the gradients by reference): the next step
+        # begins clean, and may run before this one is settled
+        self.pending.held = c.scratch.hold()
         return result
+
+    def can_run_ahead(self, closures: list[Closure]) -> bool:
+        """Whether the next step's forward and backward (its closures) may run before the
+        pending step is settled (:meth:`run_ahead`): a step is pending, the guard runs
+        the forward, no module keeps running statistics (BatchNorm: the settling may
+        put them back), no hook monitor records the forward, no first snapshot is due,
+        and the run is not distributed (the settling's collectives stay where every
+        rank expects them)."""
+        c = self._c
+        return (
+            self.pending is not None
+            and bool(closures)
+            and not self._running_stats
+            and c.monitor is None
+            and c.stats_monitor is None
+            and not c.keeper.first_due
+            and c.channel.peers is None
+        )
+
+    def begin(
+        self,
+        closures: list[Closure],
+        replay: Sequence[Closure] | None,
+        run: Callable[[list[Closure]], None],
+    ) -> StepResult | tuple[list[Closure], Sequence[Closure] | None, bool]:
+        """A step begins: the pending one is settled, after this step's forward and
+        backward where they may run ahead (``run``). Returns what the step then runs:
+        (closures, replay, whether its work already ran), or the step's result when the
+        caller's work (a three-call loop whose forward the guard did not see begin) was
+        computed on weights the settling changed and there is nothing to run it again
+        from: skipped (a rollback's ``after_rollback`` batch; else ``transient``)."""
+        if self.can_run_ahead(closures):
+            self._c.channel.begin(self._c.run.step_count)
+            if self.run_ahead(lambda: run(closures)):
+                return [], closures, True
+            return closures, replay, False
+        self.settle()
+        stale = self.take_stale()
+        if stale is None or closures:
+            return closures, replay, False
+        c = self._c
+        if stale == "scale":  # the caller's backward scaled by the scale before: rescaled
+            grads = [p.grad for g in c.scratch.optimizer.param_groups for p in g["params"]
+                     if p.grad is not None]  # fmt: skip
+            if grads:
+                torch._foreach_mul_(grads, self.scale_ratio)  # (a power of two: exact)
+            return closures, replay, False
+        c.scratch.hold()  # computed on weights since changed: dropped
+        if replay:
+            return list(replay), None, False  # run again by the guard
+        if stale == "rolled_back":
+            left = c.run.ladder.skip_remaining
+            c.run.ladder = c.run.ladder.replace(skip_remaining=max(0, left - 1))
+        result: StepResult = self._end.skipped_outside(
+            "after_rollback" if stale == "rolled_back" else "transient", None, None
+        )
+        return result
+
+    def run_ahead(self, run: Callable[[], None]) -> bool:
+        """Run the next step's forward and backward (``run``), then settle the pending
+        step: on a GPU the host waits for the pending step's read while the device works
+        on the next step. The pending step settles as if the next had not begun (the
+        RNG as it was; the begun work held apart). True: the begun work stands (put
+        back, the RNG as after it). False: the settling changed what it used (an undo,
+        a redo, a rollback, the loss scale): it is dropped, to be run again."""
+        c = self._c
+        entry = c.state.rng_now()
+        self._ahead = True
+        try:
+            run()
+        except BaseException:
+            c.scratch.hold()  # (dropped: the step did not happen)
+            set_rng_state(entry)
+            self.settle()
+            raise
+        finally:
+            self._ahead = False
+        after = c.state.rng_now()
+        set_rng_state(entry)
+        try:
+            self.settle()
+        except BaseException:
+            c.scratch.hold()
+            raise
+        if self.take_stale() is not None:
+            c.scratch.hold()
+            return False
+        set_rng_state(after)
+        self.ahead_steps += 1
+        return True
+
+    def take_stale(self) -> str | None:
+        """What the last settling changed after the next step's work had begun (the
+        weights, the optimizer's state, the loss scale: see ``stale``), and forget it."""
+        stale, self.stale = self.stale, None
+        return stale
 
     def settle(self) -> StepResult | None:
         """Decide the pending step, if any: its read from the mailbox, then the exact
@@ -224,8 +345,30 @@ class DeferredStepper:
             return None
         self.pending = None
         c = self._c
+        begun = c.scratch.hold()  # the next step's work, if it began: kept apart
+        c.scratch.put(p.held)
+        scale = c.runner.scaler.get_scale()
+        changed: str | None = "raised"
+        try:
+            result, device_kept = self._decide(p)
+            changed = None
+            if result.action == "rolled_back":
+                changed = "rolled_back"
+            elif device_kept != (result.action == "applied"):
+                changed = "update"  # undone, or redone
+            elif c.runner.scaler.get_scale() != scale:
+                changed = "scale"
+        finally:
+            c.scratch.put(begun)
+            if begun and changed is not None:
+                self.stale = changed
+                self.scale_ratio = c.runner.scaler.get_scale() / scale
+        return result
+
+    def _decide(self, p: Pending) -> tuple[StepResult, bool]:
+        c = self._c
         values = p.mailbox.take()
-        kept = values[-1] > 0
+        kept = device_kept = values[-1] > 0
         read = c.reader.decode(p.packed, values[:-1])
         c.run.stage = "deciding"
         own = c.updates.last()
@@ -257,4 +400,4 @@ class DeferredStepper:
         finally:
             c.run.stage = "idle"
         p.result.decide(result)
-        return result
+        return result, device_kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,7 +14,22 @@ from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.step_state import StepState
 
-__all__ = ["StepScratch"]
+__all__ = ["Leftovers", "StepScratch"]
+
+
+@dataclass
+class Leftovers:
+    """A step's work held off the model (:meth:`StepScratch.hold`): its gradients (the
+    tensors, by reference), its recorded losses, its batch and the inputs recorded
+    since. Falsy when the step has done nothing yet."""
+
+    grads: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    batch: list[tuple[Any, ...]] = field(default_factory=list)
+    recorded: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.grads or self.losses or self.batch or self.recorded)
 
 
 class StepScratch:
@@ -35,6 +51,32 @@ class StepScratch:
     def keep_batch(self) -> None:
         """The step's forward calls ran: keep their inputs (by reference, no copy)."""
         self.batch = self.inputs.take()
+
+    def hold(self) -> Leftovers:
+        """Take the current step's work off the model, no copy: the gradients of the
+        optimizer's parameters (set to None), the losses, the batch, the inputs recorded
+        since (the deferred mode keeps a step's work apart from the next one's until the
+        host settles it). :meth:`put` puts it back."""
+        grads = [
+            (p, p.grad)
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        for p, _ in grads:
+            p.grad = None
+        held = Leftovers(grads, self.runner.losses, self.batch, self.inputs.take())
+        self.runner.losses, self.batch = [], []
+        return held
+
+    def put(self, held: Leftovers) -> None:
+        """Put held work back in place of the current (which is dropped)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for p, g in held.grads:
+            p.grad = g
+        self.runner.losses, self.batch = list(held.losses), list(held.batch)
+        self.inputs.take()
+        self.inputs.put(held.recorded)
 
     def undo(self) -> None:
         """A step that raised (its closure, a SnapshotError, ...): discarded, and the RNG

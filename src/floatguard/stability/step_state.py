@@ -64,6 +64,14 @@ class StepState:
                 for copies, sources in local_groups(self._copies, bufs):
                     torch._foreach_copy_(copies, sources)
 
+    def has_running_stats(self) -> bool:
+        """Whether a module keeps running statistics its forward writes in training
+        (BatchNorm, InstanceNorm with ``track_running_stats``)."""
+        return any(
+            isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+            for m in self.model.modules()
+        )
+
     def restore_buffers(self) -> None:
         """Write the saved buffers back (a buffer replaced since is left alone)."""
         self._where = self._locate()

@@ -1,0 +1,209 @@
+"""Guard(sync="deferred"): the next step's work begun before the host settled the step
+before it (issue 43). The guard runs a closure step's forward and backward first and
+settles after (the host waits for the read while the device works); a three-call loop
+whose forward the guard did not see begin is settled at the step with its work held
+apart. Either way the decisions, events and weights are the exact mode's, or, where the
+settling changed what the begun work used, the work is run again (or named skipped)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from floatguard import Guard, ResponsePolicy, SpikePolicy
+from tests.test_guard_deferred import SCENARIOS, Batch, batches, closure, make, same
+
+Outcome = tuple[list[tuple[Any, ...]], list[torch.Tensor], list[str]]
+
+
+class Wrapped(nn.Module):
+    """A model whose loop calls a submodule, never the guarded root's forward (a
+    LightningModule's ``training_step`` calling ``self.net(x)`` does so)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+
+def _policy() -> dict[str, Any]:
+    return {"spikes": SpikePolicy(window=10, z=6.0), "response": ResponsePolicy(rollback_after=3)}
+
+
+def _closure_run(sync: str, scenario: Callable[[int, Batch], Batch], opt: str) -> Outcome:
+    model, optimizer = make(opt)
+    guard = Guard(model, optimizer, sync=sync, **_policy())  # type: ignore[arg-type]
+    seen = []
+    for i, b in enumerate(batches(24)):
+        r = guard.step(closure(model, *scenario(i, b)))
+        seen.append(r)
+    guard.close()
+    if sync == "deferred":
+        assert guard._deferred is not None
+        ahead = guard._deferred.ahead_steps
+        assert ahead >= 15, ahead  # most steps ran ahead of the settling
+    rows = [(r.step, r.action, r.reason, r.loss, r.grad_norm, r.lr_factor) for r in seen]
+    return (
+        rows,
+        [p.detach().clone() for p in model.parameters()],
+        [e.kind for e in guard.events.events],
+    )
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_step_run_ahead_of_the_settling_decides_what_exact_decides(name: str, opt: str) -> None:
+    """The closure step's forward and backward run before the previous step is settled;
+    a rollback (or a spike's undo) decided then drops that work and runs it again."""
+    exact = _closure_run("exact", SCENARIOS[name], opt)
+    deferred = _closure_run("deferred", SCENARIOS[name], opt)
+    assert [r[1] for r in exact[0]] != ["applied"] * 24
+    assert same(deferred[0], exact[0]), (deferred[0], exact[0])
+    assert deferred[2] == exact[2]
+    assert all(torch.equal(a, b) for a, b in zip(exact[1], deferred[1], strict=True))
+
+
+def test_dropout_draws_are_the_exact_modes_when_the_step_runs_ahead() -> None:
+    """The settling of the step before (a spike's replay draws) sees the RNG as if the
+    next step had not begun, and the next step continues with its own draws."""
+    out = {}
+    for sync in ("exact", "deferred"):
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = Guard(model, optimizer, sync=sync, **_policy())  # type: ignore[arg-type]
+        rows = []
+        for i, b in enumerate(batches(20)):
+            x, y = SCENARIOS["loss spike"](i, b)
+            rows.append(guard.step(closure(model, x, y)))
+        guard.close()
+        out[sync] = (
+            [(r.action, r.reason, r.loss) for r in rows],
+            [p.detach().clone() for p in model.parameters()],
+            torch.rand(3),  # where the RNG is after the run
+        )
+    assert out["exact"][0] == out["deferred"][0]
+    assert any(a != "applied" for a, _, _ in out["exact"][0])
+    assert all(torch.equal(a, b) for a, b in zip(out["exact"][1], out["deferred"][1], strict=True))
+    assert torch.equal(out["exact"][2], out["deferred"][2])
+
+
+def test_a_closure_that_raises_while_running_ahead_still_settles_the_step_before() -> None:
+    model, optimizer = make("adamw")
+    guard = Guard(model, optimizer, sync="deferred")
+    data = batches(6)
+    for x, y in data[:3]:
+        guard.step(closure(model, x, y))
+    pending = guard.step(closure(model, data[3][0] * float("nan"), data[3][1]))
+    assert not pending.settled
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def broken() -> torch.Tensor:
+        nn.functional.mse_loss(model(data[4][0]), data[4][1]).backward()  # work begun
+        raise ValueError("a bad batch")
+
+    with pytest.raises(ValueError, match="a bad batch"):
+        guard.step(broken)
+    assert pending.settled and pending.action == "skipped"
+    assert pending.reason == "nonfinite_input"
+    assert all(p.grad is None for p in model.parameters())  # the begun work: dropped
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert guard.step(closure(model, *data[5])).step == 4
+    guard.close()
+
+
+def _three_call_bypassing_root(
+    sync: str, scenario: Callable[[int, Batch], Batch], replay: bool, precision: str = "fp32"
+) -> tuple[list[tuple[Any, ...]], list[torch.Tensor]]:
+    model, optimizer = make("adam")
+    wrapped = Wrapped(model)
+    guard = Guard(wrapped, optimizer, sync=sync, precision=precision, **_policy())  # type: ignore[arg-type]
+    for i, b in enumerate(batches(24)):
+        x, y = scenario(i, b)
+        with guard.autocast():
+            loss = nn.functional.mse_loss(wrapped.net(x), y)  # the root's forward: not called
+        guard.backward(loss)
+        guard.step(replay=[closure(wrapped.net, x, y)] if replay else None)
+    guard.close()
+    steps = [(e.step, e["action"], e["reason"]) for e in guard.events.of_kind("step")]
+    return steps, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_three_call_loop_that_bypasses_the_root_forward_is_settled_at_the_step(
+    name: str,
+) -> None:
+    """The caller's forward and backward ran on the device's verdict before the host
+    settled the step before: the work is held apart while it settles, then stands (it
+    used the weights the host kept). Where the settling rolled back, the work used the
+    weights before the rollback: run again from ``replay=`` (then exactly the exact
+    mode's run), or, without it, skipped as an ``after_rollback`` batch."""
+    exact = _three_call_bypassing_root("exact", SCENARIOS[name], replay=True)
+    again = _three_call_bypassing_root("deferred", SCENARIOS[name], replay=True)
+    assert again[0] == exact[0]
+    assert all(torch.equal(a, b) for a, b in zip(exact[1], again[1], strict=True))
+    bare = _three_call_bypassing_root("deferred", SCENARIOS[name], replay=False)
+    exact_bare = _three_call_bypassing_root("exact", SCENARIOS[name], replay=False)
+    after = {s + 1 for s, a, _ in exact_bare[0] if a == "rolled_back"}
+    # the batch after a rollback: its work used the weights the rollback replaced
+    expected = [(s, "skipped", "after_rollback") if s in after else row
+                for s, *_ in exact_bare[0] for row in [exact_bare[0][s]]]  # fmt: skip
+    assert bare[0] == expected
+    assert after or all(torch.equal(a, b) for a, b in zip(exact_bare[1], bare[1], strict=True))
+    if name == "inf burst (rollback)":
+        assert after  # (the scenario rolls back without replay closures)
+        # that batch was bad too: skipped either way, the same weights after
+        assert all(torch.equal(a, b) for a, b in zip(exact_bare[1], bare[1], strict=True))
+
+
+def test_a_loss_scale_change_settled_under_begun_work_rescales_its_gradients() -> None:
+    """fp16: the caller's backward scaled by the loss scale before the settling backed
+    it off (an overflow): its gradients are rescaled by the ratio (a power of two:
+    exact), so the step decides what the exact mode does."""
+
+    def overflow(i: int, b: Batch) -> Batch:
+        return (b[0] * 3e4, b[1]) if i in (7, 13) else b
+
+    exact = _three_call_bypassing_root("exact", overflow, replay=False, precision="fp16")
+    deferred = _three_call_bypassing_root("deferred", overflow, replay=False, precision="fp16")
+    assert any(a != "applied" for _, a, _ in exact[0]), exact[0]
+    assert deferred[0] == exact[0]
+    assert all(torch.equal(a, b) for a, b in zip(exact[1], deferred[1], strict=True))
+
+
+def _corrupted_run(sync: str, spikes: SpikePolicy) -> tuple[list[Any], list[torch.Tensor], int]:
+    model, optimizer = make("adamw")
+    guard = Guard(model, optimizer, sync=sync, spikes=spikes)  # type: ignore[arg-type]
+    rows = []
+    for i, b in enumerate(batches(22)):
+        x, y = b
+        if i in (15, 19):  # a loss spike
+            y = y * 3000
+        rows.append(guard.step(closure(model, x, y)))
+        if i == 2:  # a flipped bit in a weight between two steps
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+    guard.close()
+    ahead = guard._deferred.ahead_steps if guard._deferred is not None else 0
+    seen = [(r.step, r.action, r.reason, r.loss) for r in rows]
+    return seen, [p.detach().clone() for p in model.parameters()], ahead
+
+
+@pytest.mark.parametrize("detector", ["robust", "lesson"])
+def test_a_settling_that_rolls_back_or_undoes_runs_the_begun_step_again(detector: str) -> None:
+    """A weight turned NaN between steps: the next step (run on it) is answered by a
+    rollback when it settles, after the step after it ran ahead on the NaN weight; and
+    with the lesson detector (no bar the device can compare with) a spike's update,
+    kept by the device, is undone when it settles, after the next step ran ahead on it.
+    Both times the begun step is dropped and run again: the exact mode's run."""
+    spikes = SpikePolicy(window=10, z=6.0, threshold=2.5, detector=detector)  # type: ignore[arg-type]
+    exact = _corrupted_run("exact", spikes)
+    deferred = _corrupted_run("deferred", spikes)
+    actions = [a for _, a, _, _ in exact[0]]
+    assert "rolled_back" in actions
+    assert same(deferred[0], exact[0]), (deferred[0], exact[0])
+    assert all(torch.equal(a, b) for a, b in zip(exact[1], deferred[1], strict=True))
+    assert deferred[2] >= 12
