@@ -78,10 +78,14 @@ class Probe(pl.Callback):  # type: ignore[misc]
             self.after[idx // self.accum] = self._opt(trainer)
 
 
+@pytest.mark.parametrize("sync", ["exact", "deferred"])
 @pytest.mark.parametrize("accum", [1, 2])
-def test_lightning_skips_and_rolls_back(tmp_path: Path, accum: int) -> None:
+def test_lightning_skips_and_rolls_back(tmp_path: Path, accum: int, sync: Any) -> None:
+    """(In both modes: Lightning calls training_step, not forward, so a deferred step is
+    settled at the next optimizer step with that step's work held apart; the step after
+    the NaN weight's rollback ran on the NaN weight and is run again from its batch.)"""
     cb = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=12.0),
-                            response=ResponsePolicy(snapshot_every=2))  # fmt: skip
+                            response=ResponsePolicy(snapshot_every=2), sync=sync)  # fmt: skip
     probe = Probe(accum)
     trainer = pl.Trainer(
         max_epochs=1, accelerator="cpu", devices=1, callbacks=[cb, probe], logger=False,
@@ -116,6 +120,24 @@ def test_lightning_skips_and_rolls_back(tmp_path: Path, accum: int) -> None:
     fresh = FloatguardCallback()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state and state["guard"]["step_count"] == 20
+    weights = [p.detach().clone() for p in module.parameters()]
+    if sync == "deferred":  # the exact mode's run, bit for bit
+        assert cb.guard is not None and cb.guard.sync == "deferred"
+        assert (
+            cb.guard._deferred is not None and cb.guard._deferred.deferred_steps >= 5
+        )  # (snapshot_every=2: the others exact)
+        exact = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=12.0),
+                                   response=ResponsePolicy(snapshot_every=2))  # fmt: skip
+        again = pl.Trainer(
+            max_epochs=1, accelerator="cpu", devices=1, callbacks=[exact, Probe(accum)],
+            logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accumulate_grad_batches=accum, default_root_dir=str(tmp_path / "exact"),
+        )  # fmt: skip
+        other = Module()
+        again.fit(other, _data(accum))
+        assert all(torch.equal(a, b) for a, b in zip(weights, other.parameters(), strict=True))
+        assert exact.totals == cb.totals
 
 
 def test_missing_extra_names_it() -> None:

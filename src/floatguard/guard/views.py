@@ -93,6 +93,20 @@ class GuardViews:
         return self._c.keeper.snapshot
 
     @property
+    def pending_step(self) -> int | None:
+        """(``sync="deferred"``) The step the device ran but the host has not settled yet
+        (None when none is)."""
+        pending = None if self._deferred is None else self._deferred.pending
+        return None if pending is None else int(pending.step)
+
+    @property
+    def deciding(self) -> bool:
+        """Whether the guard is deciding (or settling) a step now: the ``optimizer.step()``
+        and ``scheduler.step()`` calls made then are the guard's own (a framework's
+        wrapper of them lets these through)."""
+        return self._c.run.stage == "deciding"
+
+    @property
     def sync(self) -> str:
         """``"exact"`` (one host read per step) or ``"deferred"`` (none on a healthy step)."""
         return "exact" if self._deferred is None else "deferred"

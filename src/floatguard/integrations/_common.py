@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,14 +31,19 @@ class GuardedLoop:
         spikes: SpikePolicy | None = None,
         response: ResponsePolicy | None = None,
         watch: str = "replay",
+        sync: Literal["exact", "deferred"] = "exact",
     ) -> None:
+        if sync not in ("exact", "deferred"):
+            raise ValueError(f"sync={sync!r}; use 'exact' or 'deferred'")
+        self.sync = sync
         self.log_path = log
         self.clip = clip
         self.spikes = spikes
         self.response = response
         self.watch = watch
         self.guard: Guard | None = None
-        self.last: StepResult | None = None
+        self.last: StepResult | None = None  # the last step decided
+        self._unsettled: list[StepResult] = []  # (deferred) steps the host has not decided
         self.totals = {"applied": 0, "skipped": 0, "rolled_back": 0}
         self._applying = False  # the guard's own apply is running: really step
         self._replaying = False
@@ -45,17 +51,29 @@ class GuardedLoop:
 
     def make_guard(
         self, model: nn.Module, optimizer: Any, *, precision: Precision, scheduler: Any,
-        framework_clips: bool, folder: str, rank: int,
+        framework_clips: bool, folder: str, rank: int, framework_scales: bool = False,
     ) -> Guard:  # fmt: skip
         """The guard for this run (the framework's own loss scaler scales fp16 losses, so
         the guard's stays off); its events go to ``<folder>/floatguard-events.jsonl``
-        (``-rank<r>`` on rank r > 0) unless a log was given."""
+        (``-rank<r>`` on rank r > 0) unless a log was given. ``framework_scales``: the
+        framework's fp16 GradScaler steps the optimizer (it reads the device every step
+        for its own found-inf: the deferred mode would save nothing, so the exact one
+        is built, with a warning)."""
         log = self.log_path
         if log is None:
             name = "floatguard-events.jsonl" if rank == 0 else f"floatguard-events-rank{rank}.jsonl"
             os.makedirs(folder, exist_ok=True)
             log = os.path.join(folder, name)
         clip = self.clip or ClipPolicy(kind="none" if framework_clips else "zclip")
+        sync = self.sync
+        if sync == "deferred" and framework_scales:
+            warnings.warn(
+                "floatguard: sync='deferred' with the framework's fp16 GradScaler: the "
+                "scaler reads the device every step for its own found-inf, so the guard "
+                "runs the exact mode (bf16 or fp32 runs defer)",
+                stacklevel=3,
+            )
+            sync = "exact"
         # A metric-driven scheduler (ReduceLROnPlateau) is stepped by the framework with
         # its evaluation metric; the guard keeps it in its snapshots only.
         self.guard = Guard(
@@ -63,7 +81,7 @@ class GuardedLoop:
             spikes=self.spikes, response=self.response, watch=self.watch,  # type: ignore[arg-type]
             scaler=DynamicLossScaler(enabled=False), log=log,
             step_scheduler=scheduler is None or not is_metric_scheduler(scheduler),
-            clipped_before=framework_clips,
+            clipped_before=framework_clips, sync=sync,
         )  # fmt: skip
         return self.guard
 
@@ -120,6 +138,7 @@ class GuardedLoop:
                     self.guard.finish()
             finally:
                 self.guard.close()
+                self.tally()  # (the last step, decided at finish or close)
 
     def decide(self, replay: list[Callable[[], torch.Tensor]] | None) -> StepResult:
         """The guard's step on what was recorded (it applies the optimizer step itself)."""
@@ -128,22 +147,42 @@ class GuardedLoop:
             self.guard.record_loss(torch.zeros((), device=self.guard.device))
         self._applying = True
         try:
-            self.last = self.guard.step(replay=replay)
+            result = self.guard.step(replay=replay)
         finally:
             self._applying = False
-        self.totals[self.last.action] += 1
-        return self.last
+        self._unsettled.append(result)
+        self.tally()
+        return result
+
+    def tally(self) -> None:
+        """Count the steps the guard has decided (in the deferred mode a step is decided
+        a step later: counted then, without waiting for it) and keep the last one."""
+        waiting = []
+        for r in self._unsettled:
+            if r.settled:
+                self.totals[r.action] += 1
+                self.last = r
+            elif self.guard is not None and self.guard.pending_step == r.step:
+                waiting.append(r)  # (else its settling raised: it is never decided)
+        self._unsettled = waiting
+
+    def owns_call(self) -> bool:
+        """Whether an optimizer or scheduler call now is the guard's own (it is deciding
+        or settling a step), to be let through the framework's gates."""
+        return self._applying or (self.guard is not None and self.guard.deciding)
 
     def scheduler_step(self, original: Callable[..., Any], *a: Any, **k: Any) -> Any:
         """The scheduler gate: the guard steps it after each applied step; the
         framework's own call (made after skipped steps too) does nothing."""
-        if self._applying or self.guard is None:
+        if self.owns_call() or self.guard is None:
             return original(*a, **k)
         return None
 
     def metrics(self) -> dict[str, float]:
         """``floatguard/*``: totals of applied, skipped and rolled-back steps and faults,
-        the LR factor, the last step's loss (NaN when it was) and gradient norm."""
+        the LR factor, the last step's loss (NaN when it was) and gradient norm (in the
+        deferred mode: of the steps decided so far, read without a wait: one behind)."""
+        self.tally()
         out = {f"floatguard/{k}": float(v) for k, v in self.totals.items()}
         if self.guard is not None:
             out["floatguard/faults"] = float(self.guard.events.counts.get("fault", 0))

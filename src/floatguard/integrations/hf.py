@@ -78,6 +78,10 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
             clip the raw one).
         spikes, response: the guard's policies.
         watch: "replay" (default) or "off".
+        sync: "exact" (default) or "deferred" (no host read on a healthy step: see
+            :class:`floatguard.Guard`; the step is settled when the next forward
+            begins, and the metrics are those of the steps decided so far). Under fp16
+            the Trainer's GradScaler reads the device every step anyway: exact, warned.
     """
 
     # (the constructor is GuardedLoop's; these are set up per run in on_train_begin)
@@ -100,7 +104,7 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
         self._accumulation = max(1, int(args.gradient_accumulation_steps))
         self.make_guard(model, optimizer, precision=precision, scheduler=scheduler,
                         framework_clips=args.max_grad_norm > 0, folder=args.output_dir,
-                        rank=rank)  # fmt: skip
+                        rank=rank, framework_scales=self._scaler is not None)  # fmt: skip
         self.wrap(optimizer, "step", self._optimizer_step)
         if scheduler is not None:
             self.wrap_scheduler(scheduler)
@@ -138,15 +142,14 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
     # ------------------------------------------------------------ gates
     def _optimizer_step(self, original: Callable[..., Any], *a: Any, **k: Any) -> Any:
         guard = self.guard
-        if guard is None or self._applying:  # the guard's own apply: really step
+        if guard is None or self.owns_call():  # the guard's own apply: really step
             return original(*a, **k)
         try:
             if self._scaler is not None and self._scaler_overflow(guard, original, a, k):
                 return None
             replay = self._replay_closures() if not self._warned_no_loss else None
-            self.decide(replay)
-            assert self.last is not None
-            if self.last.action != "applied" and self._scaler is not None:
+            result = self.decide(replay)
+            if self._scaler is not None and result.action != "applied":  # (exact mode)
                 # The optimizer did not step: reset the GradScaler's per-step state
                 # (its unscale_ record) without touching its scale or growth count.
                 self._scaler.update(self._scaler.get_scale())

@@ -105,7 +105,12 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
     """The guard inside a Lightning ``Trainer`` (see the module docstring). One optimizer
     (Lightning's automatic optimization); ``log``, ``clip``, ``spikes``, ``response`` and
     ``watch`` as for :class:`floatguard.Guard` (``clip`` defaults to none when the Trainer
-    clips, ``gradient_clip_val``, else ZClip)."""
+    clips, ``gradient_clip_val``, else ZClip). ``sync="deferred"``: no host read on a
+    healthy step (:class:`floatguard.Guard`); Lightning calls ``training_step``, not the
+    module's ``forward``, so a step is settled at the next optimizer step, its work held
+    apart (run again from its batch where the settling rolled back); the logged
+    metrics are those of the steps decided so far. Under 16-mixed the precision
+    plugin's GradScaler reads the device every step anyway: exact, warned."""
 
     # (the constructor is GuardedLoop's; these are set up per run in on_train_start)
     _module: Any = None
@@ -130,7 +135,8 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
         self.make_guard(pl_module, opt, precision=_precision_of(trainer),
                         scheduler=per_step[0] if per_step else None,
                         framework_clips=bool(trainer.gradient_clip_val),
-                        folder=trainer.default_root_dir, rank=int(trainer.global_rank))  # fmt: skip
+                        folder=trainer.default_root_dir, rank=int(trainer.global_rank),
+                        framework_scales=self._scaler is not None)  # fmt: skip
         assert self.guard is not None
         if self._restored is not None:
             self.guard.load_state_dict(self._restored["guard"])
@@ -164,7 +170,7 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
         self, original: Callable[..., Any], closure: Callable[[], Any] | None = None, **kw: Any
     ) -> Any:
         guard = self.guard
-        if guard is None or self._applying:
+        if guard is None or self.owns_call():
             return original(closure, **kw) if closure is not None else original(**kw)
         result = closure() if closure is not None else None
         self._awaiting_step = False
@@ -225,7 +231,9 @@ class FloatguardCallback(_Callback, GuardedLoop):  # type: ignore[misc]
         for Lightning's checkpoint."""
         if self.guard is None:
             return self._restored or {}
-        return {"guard": self.guard.state_dict(), "totals": dict(self.totals)}
+        guard = self.guard.state_dict()  # (settles a deferred step first)
+        self.tally()
+        return {"guard": guard, "totals": dict(self.totals)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
