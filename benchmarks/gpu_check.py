@@ -26,6 +26,10 @@ markdown table (check | measured | expected | verdict):
 (g) ``deferred_check``: ``Guard(sync="deferred")``: syncs per healthy step (expected 0),
     the same steps under ``set_sync_debug_mode("error")``, and the step time against
     ``GradScaler`` + fused AdamW and the exact guard.
+(h) ``graph_check``: ``Guard.graphed`` (the deferred step as one CUDA graph replay):
+    the steps after warm-up replayed, syncs per replay (expected 0) and under
+    ``set_sync_debug_mode("error")``, the weights bit for bit against the eager
+    deferred guard, the step time against autocast + clip + fused AdamW.
 (e) ``native_stats_check``: :func:`floatguard.tensor_stats` on device tensors against
     the same statistics of the CPU copy (the one-pass C kernel there), the stats
     monitor's records, ``Guard(watch="hooks")`` and ``Guard(stats_every=2)`` on the
@@ -942,6 +946,14 @@ def deferred_check(backend: Backend, sizes: Sizes) -> list[Row]:
     return rows
 
 
+def graph_check(backend: Backend, sizes: Sizes) -> list[Row]:
+    """(h) ``Guard.graphed``: see ``benchmarks/_gpu_graph.py``."""
+    import _gpu_graph
+
+    rows: list[Row] = _gpu_graph.graph_check(backend, sizes, sys.modules[__name__])
+    return rows
+
+
 CHECKS: tuple[tuple[str, Check], ...] = (
     ("(a) syncs per step", sync_check),
     ("(b) overhead", overhead_check),
@@ -950,6 +962,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("(e) native statistics", native_stats_check),
     ("(f) overlap", overlap_check),
     ("(g) deferred", deferred_check),
+    ("(h) CUDA graphs", graph_check),
 )
 
 

@@ -365,7 +365,7 @@ def test_main_prints_one_table(
     assert table[:2] == ["| check | measured | expected | verdict |", "|---|---|---|---|"]
     assert all(line.startswith("| ") and line.count(" | ") >= 3 for line in table[2:])
     checks = {line.split(" ", 2)[1] for line in table[2:]}
-    assert checks == {"(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)"}
+    assert checks == {"(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)", "(h)"}
     failed = [line for line in table if line.endswith("| FAIL |")]
     # on a CPU only the overhead target may be missed (timing noise), nothing else
     assert all("(b)" in line for line in failed), failed
@@ -435,3 +435,19 @@ def test_a_deferred_step_that_reads_fails_and_names_the_read(
     errors = [r for r in rows if "set_sync_debug_mode('error')" in r.check]
     assert all(r.verdict == "FAIL" and "read.py" in r.measured for r in syncs), syncs
     assert all(r.verdict == "FAIL" and "synchronizing" in r.measured for r in errors), errors
+
+
+# --------------------------------------------------------------------------------- (h)
+def test_graph_rows(gc: ModuleType, cuda: FakeCuda, backend: Any, sizes: Any) -> None:
+    """On the CPU the graphed guard runs the "check" backend (every step eager, compared
+    with the captured one): the rows' code runs, and on a GPU the same rows measure
+    torch.cuda.CUDAGraph."""
+    rows = gc.graph_check(backend, sizes)
+    by = {r.check.split(",")[0]: r for r in rows}
+    assert by["(h) graphed steps replayed"].verdict == "PASS", rows
+    assert "backend check" in by["(h) graphed steps replayed"].measured
+    assert by["(h) syncs per replayed step"].measured == "0-0 per step"
+    assert by["(h) set_sync_debug_mode('error') on replays"].verdict == "PASS"
+    assert by["(h) weights"].measured == "bit for bit", rows
+    timings = [r for r in rows if "fused AdamW" in r.check]
+    assert len(timings) == 2 * len(sizes.models) and all(r.verdict == "INFO" for r in timings)

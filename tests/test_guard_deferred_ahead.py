@@ -207,3 +207,96 @@ def test_a_settling_that_rolls_back_or_undoes_runs_the_begun_step_again(detector
     assert same(deferred[0], exact[0]), (deferred[0], exact[0])
     assert all(torch.equal(a, b) for a, b in zip(exact[1], deferred[1], strict=True))
     assert deferred[2] >= 12
+
+
+def _loop(sync: str, body: Callable[[Guard, nn.Module, int, Batch], Any], n: int = 20,
+          precision: str = "fp32", **kw: Any) -> tuple[list[Any], list[torch.Tensor]]:  # fmt: skip
+    model, optimizer = make("adamw")
+    guard = Guard(model, optimizer, sync=sync, precision=precision,  # type: ignore[arg-type]
+                  **{**_policy(), **kw})  # fmt: skip
+    rows = [body(guard, model, i, b) for i, b in enumerate(batches(n))]
+    guard.close()
+    steps = [(e.step, e["action"], e["reason"]) for e in guard.events.of_kind("step")]
+    del rows
+    return steps, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_settling_inside_the_callers_autocast_does_not_leave_stale_casts() -> None:
+    """bf16, three-call loop through the root: the step before is settled at the
+    forward's pre-hook, inside the caller's ``with guard.autocast()``; its spike replay
+    fills autocast's cache of bf16 weight casts and the rollback then writes the
+    weights: the cache is cleared, so the forward reads the restored weights."""
+
+    def body(guard: Guard, model: nn.Module, i: int, b: Batch) -> Any:
+        x, y = b
+        if i in (12, 13):
+            y = y * 1e3
+        with guard.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        return guard.step(replay=[lambda: nn.functional.mse_loss(model(x).float(), y)])
+
+    kw = {"spikes": SpikePolicy(window=8, z=6.0, warmup=5),
+          "response": ResponsePolicy(rollback_after=2)}  # fmt: skip
+    exact = _loop("exact", body, precision="bf16", **kw)
+    deferred = _loop("deferred", body, precision="bf16", **kw)
+    assert "rolled_back" in {a for _, a, _ in exact[0]}, exact[0]
+    assert deferred[0] == exact[0]
+    assert all(torch.equal(a, b) for a, b in zip(exact[1], deferred[1], strict=True))
+
+
+@pytest.mark.parametrize("how", ["reads the result", "calls settle()"])
+def test_a_closure_that_settles_the_step_before_runs_after_it(how: str) -> None:
+    """The closure of step t+1 reads step t's result (logging it) while running ahead
+    of step t's settling: the run ahead is dropped, step t settled, step t+1 run from
+    the start (on the weights step t's rollback restored)."""
+    last: list[Any] = [None]
+
+    def body(guard: Guard, model: nn.Module, i: int, b: Batch) -> Any:
+        x, y = b
+        if i == 8:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+
+        def closure(prev: Any = last[0]) -> torch.Tensor:
+            loss = nn.functional.mse_loss(model(x), y)
+            if prev is not None:
+                _ = prev.action if how == "reads the result" else guard.settle()
+            return loss
+
+        last[0] = guard.step(closure)
+        return last[0]
+
+    exact = _loop("exact", body)
+    deferred = _loop("deferred", body)
+    assert "rolled_back" in {a for _, a, _ in exact[0]}
+    assert deferred[0] == exact[0]
+    assert all(torch.equal(a, b) for a, b in zip(exact[1], deferred[1], strict=True))
+
+
+def test_a_write_to_the_weights_undone_with_a_step_is_warned() -> None:
+    """With the lesson detector (no bar the device compares with), a spike's update is
+    kept by the device and undone when the host settles it; a write the caller made to
+    the weights in between is undone with it: a RuntimeWarning says so."""
+    model, optimizer = make("sgd")
+    lesson = SpikePolicy(window=8, warmup=5, detector="lesson", threshold=2.5)
+    guard = Guard(model, optimizer, sync="deferred", spikes=lesson)
+    data = batches(16)
+    with pytest.warns(RuntimeWarning, match=r"written in place after the step returned"):
+        for i, (x, y) in enumerate(data):
+            guard.step(closure(model, x, y * (3000 if i == 12 else 1)))
+            with torch.no_grad():
+                model[0].weight.mul_(0.99)  # a weight projection after every step
+    guard.close()
+
+
+def test_a_refilled_input_buffer_is_warned_when_its_step_is_replayed() -> None:
+    model, optimizer = make("adamw")
+    guard = Guard(model, optimizer, sync="deferred")
+    buf_x, buf_y = torch.empty(16, 8), torch.empty(16, 4)
+    with pytest.warns(RuntimeWarning, match=r"step 6's inputs were written in place"):
+        for i, (x, y) in enumerate(batches(10)):
+            buf_x.copy_(x * float("nan") if i == 6 else x)  # a reused buffer
+            buf_y.copy_(y)
+            guard.step(closure(model, buf_x, buf_y))
+    guard.close()

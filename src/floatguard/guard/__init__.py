@@ -5,6 +5,10 @@
 """
 
 from floatguard.guard.core import Guard
-from floatguard.guard.types import Action, Closure, Precision, StepResult, Watch
+from floatguard.guard.graphs import GraphedStep
+from floatguard.guard.types import Action, Closure, GraphUnsafe, Precision, StepResult, Watch
 
-__all__ = ["Action", "Closure", "Guard", "Precision", "StepResult", "Watch"]
+__all__ = [
+    "Action", "Closure", "GraphUnsafe", "GraphedStep", "Guard", "Precision", "StepResult",
+    "Watch",
+]  # fmt: skip

@@ -155,3 +155,24 @@ def check_deferred(
     from floatguard.guard.deferred import DeferredStepper
 
     return DeferredStepper(crew, end, optimizer, model)
+
+
+def check_graphable(stepper: Any, crew: Any, precision: str, device: torch.device) -> Any:
+    """The guard's half of a graphed step (:meth:`Guard.graphed`), or a ValueError naming
+    what a captured step cannot do: the exact mode (a read every step), fp16 (the loss
+    scale is the host's), a hook monitor (it records the forward on the host), more
+    than one rank (the read's agreement and its collectives are the host's)."""
+    why = None
+    if stepper is None:
+        why = "needs Guard(sync='deferred') (the exact mode reads the device every step)"
+    elif precision == "fp16":
+        why = "runs fp32 or bf16 (fp16's loss scale is decided on the host every step)"
+    elif crew.monitor is not None or crew.stats_monitor is not None:
+        why = "cannot hook the forward (watch='hooks' or stats_every record it on the host)"
+    elif crew.channel.peers is not None:
+        why = "runs on one process (not under torch.distributed yet)"
+    if why is not None:
+        raise ValueError(f"Guard.graphed {why}")
+    from floatguard.guard.graph_half import GraphHalf
+
+    return GraphHalf(crew, stepper, device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -30,10 +30,12 @@ from floatguard.distributed import GuardDesync, PeerFailed
 from floatguard.guard._setup import (
     check_args,
     check_deferred,
+    check_graphable,
     check_log_path,
 )
 from floatguard.guard.conclude import StepEnd
 from floatguard.guard.crew import build_crew
+from floatguard.guard.graphs import GraphedStep
 from floatguard.guard.judge import StepVerdict
 from floatguard.guard.run import as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
@@ -222,7 +224,8 @@ class Guard(GuardViews):
         ``metric``: what a metric-driven scheduler (``ReduceLROnPlateau``) is stepped
         with when the step is applied (default: the step's loss).
         """
-        try:
+
+        def run() -> StepResult:
             closures, ahead = as_closures(closure), False
             if self._deferred is not None:  # the previous step's decision, first (after
                 # this step's forward and backward where they may run ahead; a failure
@@ -230,11 +233,16 @@ class Guard(GuardViews):
                 begun = self._deferred.begin(closures, replay, self._c.runner.run)
                 if isinstance(begun, StepResult):
                     return begun
-                closures, replay, ahead = begun
-            self._c.actor.metric = (
-                None if metric is None else float(metric)  # a tensor is read: the caller's
-            )
-            return self._step(closures, replay, ahead)
+                closures, replay_, ahead = begun
+                return self._step(closures, replay_, ahead, metric=metric)
+            return self._step(closures, replay, metric=metric)
+
+        return self._announced(run)
+
+    def _announced(self, run: Callable[[], StepResult]) -> StepResult:
+        """``run()`` (a step), its failure announced to the peers once."""
+        try:
+            return run()
         except (PeerFailed, GuardDesync) as e:
             self._c.channel.stopped(self.step_count, e)  # the stop event, once
             raise
@@ -274,9 +282,44 @@ class Guard(GuardViews):
             self._c.channel.stopped(self.step_count, e)
             raise
 
+    def graphed(
+        self,
+        loss_fn: Callable[..., torch.Tensor],
+        *example: torch.Tensor,
+        warmup: int = 3,
+        backend: Literal["auto", "cuda", "check"] = "auto",
+    ) -> GraphedStep:
+        """(``sync="deferred"``) A training step run as one CUDA graph replay: ``step =
+        guard.graphed(lambda x, y: loss(model(x), y), x0, y0)``, then ``step(x, y)`` each
+        step (a batch shaped like the example). The forward, backward, verdict, clipping,
+        gated update and the read's copy to the host are captured after ``warmup`` eager
+        steps and replayed; the host settles each step as the deferred mode does, and
+        runs a step eagerly where it must decide it (snapshot steps, a batch skipped
+        after a rollback, an LR backed off). ``backend``: ``"cuda"``
+        (``torch.cuda.CUDAGraph``; the default for a CUDA batch), ``"check"`` (every step
+        eager, its operators compared with the captured step's: :class:`GraphUnsafe`
+        names what a graph would replay wrongly; the default on the CPU). See
+        :mod:`floatguard.guard.graphs` and ``docs/guard.md``, "CUDA graphs"."""
+        half = check_graphable(self._deferred, self._c, self.precision, self.device)
+        return GraphedStep(
+            loss_fn, example, guard=self, stepper=half, warmup=warmup, backend=backend,
+            run_graphed=lambda graph, closures: self._announced(
+                lambda: self._step(closures, None, graph=graph)
+            ),
+        )  # fmt: skip
+
     def _step(
-        self, closures: list[Closure], replay: Sequence[Closure] | None, ahead: bool = False
+        self,
+        closures: list[Closure],
+        replay: Sequence[Closure] | None,
+        ahead: bool = False,
+        *,
+        metric: float | torch.Tensor | None = None,
+        graph: GraphedStep | None = None,
     ) -> StepResult:
+        self._c.actor.metric = (
+            None if metric is None else float(metric)  # a tensor is read: the caller's
+        )
         run, keeper = self._c.run, self._c.keeper
         # (else the caller ran it: the three-call loop; ``ahead``: the guard ran this
         # step's closures before settling the previous step, ``replay`` holds them)
@@ -290,13 +333,21 @@ class Guard(GuardViews):
         keeper.begin_step(step, run.ladder.good_steps, self._c.checkpoint.capture)
         run.stage = "running"
         try:
-            if closures:
+            last_update = self._c.updates.last()  # (a graphed step's, before its replay)
+            if graph is not None:  # the captured forward, backward and gated update
+                self._c.state.rng = self._c.state.rng_now()
+                graph.enqueue()
+            elif closures:
                 self._c.state.rng = self._c.state.rng_now()  # the draws this step's forward makes
                 self._c.runner.run(closures, before_last_backward=self._c.channel.arm_for(step))
             else:
                 closures = as_closures(replay) if replay else []
             self._c.scratch.keep_batch()  # this step's batch, before any replay
             run.step_count, run.stage = step + 1, "deciding"
+            if graph is not None:  # (graph_ready: no snapshot read, decided on the device)
+                pended = graph.pend(step, closures, last_update)
+                run.stage = "applied"
+                return pended
             # A snapshot step reads the state's magnitudes with the step, to vet them.
             reads = keeper.reads_state(run.ladder.good_steps)
             state_tensors, magnitudes = self._c.check.magnitudes() if reads else ([], None)

@@ -43,90 +43,18 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
+from floatguard.guard.pending import Pending, PendingResult, SettleFirst
 from floatguard.guard.read import Packed
-from floatguard.guard.scratch import Leftovers
 from floatguard.guard.speculative import Mailbox, SpeculativeUpdate, frozen
 from floatguard.guard.types import Closure, StepResult
 from floatguard.stability.step_state import set_rng_state
 
 __all__ = ["DeferredStepper", "Pending", "PendingResult"]
-
-
-_LAZY = frozenset(f.name for f in fields(StepResult)) - {"step"}
-
-
-class PendingResult(StepResult):
-    """A deferred step's :class:`StepResult`: ``step`` is known at once; reading any
-    other field settles the step first (waits for its read: the caller's explicit
-    sync) and returns the decided value. A step whose settling raised (a GuardStopped
-    decided for it) raises that again when read. Until it is decided it holds its
-    guard (an unread step can still be settled through it); a decided result does
-    not keep its guard alive."""
-
-    def __init__(self, step: int, stepper: DeferredStepper) -> None:
-        object.__setattr__(self, "step", step)
-        object.__setattr__(self, "_stepper", stepper)
-        object.__setattr__(self, "_decided", None)
-        object.__setattr__(self, "_error", None)
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in _LAZY:
-            decided = object.__getattribute__(self, "_decided")
-            if decided is None:
-                decided = object.__getattribute__(self, "_resolve")()
-            return getattr(decided, name)
-        return object.__getattribute__(self, name)
-
-    def _resolve(self) -> StepResult:
-        error = object.__getattribute__(self, "_error")
-        if error is not None:
-            raise error
-        stepper = object.__getattribute__(self, "_stepper")
-        step = object.__getattribute__(self, "step")
-        if stepper is None:
-            raise RuntimeError(f"floatguard: step {step} was never decided")
-        stepper.settle()
-        error = object.__getattribute__(self, "_error")
-        if error is not None:
-            raise error
-        decided: StepResult | None = object.__getattribute__(self, "_decided")
-        if decided is None:
-            raise RuntimeError(f"floatguard: step {step} was never decided")
-        return decided
-
-    def decide(self, result: StepResult) -> None:
-        object.__setattr__(self, "_decided", result)
-        object.__setattr__(self, "_stepper", None)
-
-    def fail(self, error: BaseException) -> None:
-        """The step's settling raised ``error`` (reading the result raises it again)."""
-        object.__setattr__(self, "_error", error)
-        object.__setattr__(self, "_stepper", None)
-
-    @property
-    def settled(self) -> bool:
-        """Whether the host has decided this step (reading it then costs nothing)."""
-        return object.__getattribute__(self, "_decided") is not None
-
-
-@dataclass
-class Pending:
-    """A deferred step waiting for the host: its packed read and mailbox, its closures
-    (for a replay), its speculative update and its result."""
-
-    step: int
-    packed: Packed
-    closures: list[Closure]
-    mailbox: Mailbox
-    update: SpeculativeUpdate
-    result: PendingResult
-    last_update: Any = None
-    held: Leftovers = field(default_factory=Leftovers)  # its gradients, losses, batch
 
 
 class DeferredStepper:
@@ -150,6 +78,7 @@ class DeferredStepper:
         self.stale: str | None = None
         self.scale_ratio = 1.0
         self._ahead = False
+        self.settling: int | None = None  # the step being settled
         self._running_stats = self._c.state.has_running_stats()
         # The three-call loop runs the next forward before any guard call: the pending
         # step is settled when a forward with grad enabled begins, so a rollback or an
@@ -204,41 +133,82 @@ class DeferredStepper:
         """The step's read packed, its update gated on the device, its read posted."""
         c = self._c
         packed: Packed = c.reader.pack(step, c.runner.mean_loss())
-        head = packed.head  # the agreed found, norm and loss (the same on every rank)
-        ok = head.device_ok()
-        # a spike against the detectors' bars (host floats as of the step before: what
-        # the exact mode's check compares with), in float64 as the host compares
-        sw = c.spike_watch
-        for detector, value in ((sw.loss, head.loss), (sw.grad_norm, head.norm)):
-            bar = detector.bar() if detector is not None else None
-            if bar is not None and bar < math.inf:
-                ok = ok & ~(value.double() > bar)
+        ok = self.verdict(packed)
         if c.run.ladder.skip_remaining > 0:  # a batch the policy skips after a rollback
             ok = ok & False
-        params, grads, _ = c.reader.params_with_grads()
-        lr_factor = c.run.ladder.lr_factor
         last_update = c.updates.last()  # the last update that stood, until this one does
-        # the host can only overrule the device where a detector has no bar to compare
-        # on the device (lesson): then the update is kept undoable (copies)
-        undoable = any(d is not None and d.bar() is None for d in (sw.loss, sw.grad_norm))
+        self.gated_update(packed, ok, c.run.ladder.lr_factor)
+        return self.pend(step, packed, closures, last_update)
+
+    def verdict(self, packed: Packed, bars: torch.Tensor | None = None) -> torch.Tensor:
+        """The device's ``ok``: the agreed found, norm and loss (the same on every rank)
+        finite and no overflow, and no spike against the detectors' bars: host floats
+        as of the step before (what the exact mode's check compares with), or ``bars``,
+        a float64 device copy of them (loss, norm: a captured step's), compared in
+        float64 as the host compares."""
+        head = packed.head
+        ok = head.device_ok()
+        sw = self._c.spike_watch
+        for i, (detector, value) in enumerate(((sw.loss, head.loss), (sw.grad_norm, head.norm))):
+            if detector is None:
+                continue
+            if bars is not None:
+                ok = ok & ~(value.double() > bars[i])
+                continue
+            bar = detector.bar()
+            if bar is not None and bar < math.inf:
+                ok = ok & ~(value.double() > bar)
+        return ok
+
+    def undoable(self) -> bool:
+        """Whether the host may overrule the device (a spike detector without a bar the
+        device can compare with: ``lesson``): the update is then kept undoable (copies,
+        even for a fused optimizer)."""
+        sw = self._c.spike_watch
+        return any(d is not None and d.bar() is None for d in (sw.loss, sw.grad_norm))
+
+    def gated_update(
+        self,
+        packed: Packed,
+        ok: torch.Tensor,
+        lr_factor: float,
+        zstate: torch.Tensor | None = None,
+        record: bool = True,
+    ) -> None:
+        """Clip on the device, ``optimizer.step()`` gated on ``ok``, the running
+        statistics gated alike, the read and ``ok`` posted to the mailbox (``record``:
+        with its event; ``zstate``: ZClip's state as a device copy, see
+        :meth:`Clipper.apply_on_device <floatguard.stability.clipper.Clipper.apply_on_device>`)."""
+        c = self._c
+        params, grads, _ = c.reader.params_with_grads()
+        norm = packed.head.norm
         self.update.run(
             params, ok,
-            lambda: c.clipper.apply_on_device(params, grads, head.norm),
-            lambda: c.actor.optimizer_step(lr_factor), undoable,
+            lambda: c.clipper.apply_on_device(params, grads, norm, zstate),
+            lambda: c.actor.optimizer_step(lr_factor), self.undoable(),
         )  # fmt: skip
         c.state.gate_buffers(ok)  # the forward's running statistics, gated alike
         self.mailbox.post(
-            torch.cat([packed.tensor.reshape(-1), ok.reshape(1).to(packed.tensor.dtype)])
+            torch.cat([packed.tensor.reshape(-1), ok.reshape(1).to(packed.tensor.dtype)]),
+            record,
         )
+
+    def pend(
+        self, step: int, packed: Packed, closures: list[Closure], last_update: Any
+    ) -> PendingResult:
+        """The step, gated on the device, left for the host to settle: its closures
+        frozen for a replay, its work held apart (the gradients by reference: the next
+        step begins clean, and may run before this one is settled)."""
         result = PendingResult(step, self)
         self.pending = Pending(
             step, packed, [frozen(f) for f in closures], self.mailbox, self.update, result,
             last_update,
         )  # fmt: skip
         self.deferred_steps += 1
-        # the step's work is held apart (the gradients by reference): the next step
-        # begins clean, and may run before this one is settled
-        self.pending.held = c.scratch.hold()
+        self.pending.held = held = self._c.scratch.hold()
+        self.pending.inputs = [
+            (t, t._version) for t in tree_flatten(held.batch)[0] if isinstance(t, torch.Tensor)
+        ]
         return result
 
     def can_run_ahead(self, closures: list[Closure]) -> bool:
@@ -310,7 +280,15 @@ class DeferredStepper:
         self._ahead = True
         try:
             run()
+        except SettleFirst:  # the closure asked for the step before (read its result):
+            self._ahead = False  # settled first, then the step runs from the start
+            c.scratch.hold()
+            set_rng_state(entry)
+            self.settle()
+            self.take_stale()
+            return False
         except BaseException:
+            self._ahead = False
             c.scratch.hold()  # (dropped: the step did not happen)
             set_rng_state(entry)
             self.settle()
@@ -343,6 +321,8 @@ class DeferredStepper:
         p = self.pending
         if p is None:
             return None
+        if self._ahead:  # asked from inside the next step's closure, running ahead
+            raise SettleFirst
         self.pending = None
         c = self._c
         begun = c.scratch.hold()  # the next step's work, if it began: kept apart
@@ -359,7 +339,12 @@ class DeferredStepper:
             elif c.runner.scaler.get_scale() != scale:
                 changed = "scale"
         finally:
+            self.settling = None
             c.scratch.put(begun)
+            if changed is not None:
+                # weights written in place: a cast autocast cached (a settling inside the
+                # caller's autocast, at its forward) is stale
+                torch.clear_autocast_cache()
             if begun and changed is not None:
                 self.stale = changed
                 self.scale_ratio = c.runner.scaler.get_scale() / scale
@@ -367,6 +352,7 @@ class DeferredStepper:
 
     def _decide(self, p: Pending) -> tuple[StepResult, bool]:
         c = self._c
+        self.settling = p.step
         values = p.mailbox.take()
         kept = device_kept = values[-1] > 0
         read = c.reader.decode(p.packed, values[:-1])
@@ -382,6 +368,14 @@ class DeferredStepper:
         try:
             verdict = c.judge.judge(p.step, read, p.closures, ([], []), c.run.ladder,
                                     c.run.previous_applied)  # fmt: skip
+            if (verdict.fault is not None or verdict.spike is not None) and p.refilled():
+                warnings.warn(
+                    f"floatguard: step {p.step}'s inputs were written in place after the "
+                    "step (a reused input buffer): its replay saw other data, so what it "
+                    "found (a transient fault, a spike that does not reproduce) is about "
+                    "that data; call guard.settle() before refilling the buffer, or pass "
+                    "fresh tensors", RuntimeWarning, stacklevel=3,
+                )  # fmt: skip
             result: StepResult = self._end.act(p.step, read, verdict, p.closures, (p.update, kept))
             if result.action == "applied" and kept:  # the device's update stands
                 c.updates.restore(own)

@@ -19,6 +19,7 @@ from floatguard._values import local_part
 from floatguard.guard.channel import ReadChannel
 from floatguard.guard.read import StepRead, StepReader
 from floatguard.guard.run import StepRunner
+from floatguard.guard.scratch import clear_grads
 from floatguard.guard.types import Closure
 from floatguard.guard.vetting import StateCheck, named_root
 from floatguard.monitor.localize import Fault
@@ -118,7 +119,7 @@ class Locator:
         """Run from the step's starting state (gradients, losses, buffers, RNG) without
         DDP's gradient sync, and leave no trace of the run (the RNG as after the step)."""
         after = self.state.rng_now()
-        self.optimizer.zero_grad(set_to_none=True)
+        clear_grads(self.optimizer)
         self.runner.clear()
         self.state.restore_buffers()
         self.state.restore_rng()
@@ -126,7 +127,7 @@ class Locator:
             with self.channel.no_gradient_sync():
                 yield
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            clear_grads(self.optimizer)
             self.runner.clear()
             set_rng_state(after)
 

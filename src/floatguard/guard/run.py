@@ -65,13 +65,14 @@ class StepRunner:
         )
 
     @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        """``torch.autocast`` to the guard's precision (nothing for fp32)."""
+    def autocast(self, cache: bool = True) -> Iterator[None]:
+        """``torch.autocast`` to the guard's precision (nothing for fp32); ``cache=False``
+        for a step a CUDA graph captures (torch's rule: no cast cache under capture)."""
         if self.precision == "fp32":
             yield
             return
         dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
-        with torch.autocast(device_type=self.device.type, dtype=dtype):
+        with torch.autocast(device_type=self.device.type, dtype=dtype, cache_enabled=cache):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -116,6 +117,7 @@ class StepRunner:
         closures: Sequence[Closure],
         *,
         before_last_backward: Callable[[torch.Tensor], None] | None = None,
+        cache: bool = True,
     ) -> None:
         """Every closure's forward (under autocast) and backward. ``before_last_backward``
         gets the mean loss of the step (the kept losses and the last one) before the
@@ -123,7 +125,7 @@ class StepRunner:
         read rides on DDP's gradient all-reduce."""
         for i, closure in enumerate(closures):
             mark = self._mark()
-            with self.autocast(), self.region():
+            with self.autocast(cache), self.region():
                 loss = closure()
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(

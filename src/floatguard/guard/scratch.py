@@ -14,7 +14,17 @@ from floatguard.monitor.hooks import Monitor
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.step_state import StepState
 
-__all__ = ["Leftovers", "StepScratch"]
+__all__ = ["Leftovers", "StepScratch", "clear_grads"]
+
+
+def clear_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Every gradient of the optimizer's parameters set to None, as
+    ``zero_grad(set_to_none=True)`` does, but never skipped: a framework's wrapper
+    (accelerate's ``AcceleratedOptimizer``) makes ``zero_grad`` do nothing between the
+    micro-batches of an accumulation, where the deferred mode settles a step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 @dataclass
@@ -71,7 +81,7 @@ class StepScratch:
 
     def put(self, held: Leftovers) -> None:
         """Put held work back in place of the current (which is dropped)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        clear_grads(self.optimizer)
         for p, g in held.grads:
             p.grad = g
         self.runner.losses, self.batch = list(held.losses), list(held.batch)
@@ -87,7 +97,7 @@ class StepScratch:
     def discard(self) -> None:
         """A step not applied leaves nothing: gradients, losses, batch, buffers (put
         back), the scaler's growth (skipped), the monitors' records."""
-        self.optimizer.zero_grad(set_to_none=True)
+        clear_grads(self.optimizer)
         self.runner.clear()
         self.batch = []
         self.inputs.take()
@@ -106,7 +116,7 @@ class StepScratch:
             if summary:
                 self.events.stats(step, summary)
             self.stats_monitor.next_step()
-        self.optimizer.zero_grad(set_to_none=True)
+        clear_grads(self.optimizer)
         self.runner.clear()
         self.batch = []
         self.inputs.take()  # replays' calls

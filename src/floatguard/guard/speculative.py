@@ -6,13 +6,14 @@ replay a call later (:func:`frozen`)."""
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from floatguard.guard.types import Closure
+from floatguard.guard.types import Closure, GraphUnsafe
 
 __all__ = ["Mailbox", "SpeculativeUpdate", "frozen"]
 
@@ -29,8 +30,12 @@ class Mailbox:
         self.host: torch.Tensor | None = None
         self.view: Any = None
         self.event: Any = None
+        self.cuda = False
 
-    def post(self, packed: torch.Tensor) -> None:
+    def post(self, packed: torch.Tensor, record: bool = True) -> None:
+        """Copy ``packed`` to the host buffer without blocking; ``record``: and record
+        the event the host waits on (a captured step records it after the replay:
+        :meth:`mark`)."""
         t = packed.detach().reshape(-1)
         if t.dtype not in (torch.float32, torch.float64):
             t = t.double()
@@ -42,8 +47,14 @@ class Mailbox:
                 self.view = np.empty(tuple(t.shape), dtype=_NUMPY[t.dtype])
                 self.host = torch.from_numpy(self.view)
         self.host.copy_(t, non_blocking=t.is_cuda)
+        self.event, self.cuda = None, t.is_cuda
+        if record:
+            self.mark()
+
+    def mark(self) -> None:
+        """Record the event the host waits on (CUDA; on the CPU the copy is done)."""
         self.event = None
-        if t.is_cuda:
+        if self.cuda:
             self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.event.record()
 
@@ -99,6 +110,7 @@ class SpeculativeUpdate:
         self._key: list[Any] = []
         self._buffers: list[torch.Tensor] = []
         self.uncopied = False
+        self.versions: list[tuple[torch.Tensor, int]] = []
 
     def _targets(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         out = list(params)
@@ -142,6 +154,7 @@ class SpeculativeUpdate:
         device) with a fused optimizer: no copies, ``found_inf = not ok`` handed to the
         optimizer, which skips on the device."""
         self.uncopied = False
+        self.versions = []
         if not undoable and self.fused():
             clip()
             opt: Any = self.optimizer
@@ -160,6 +173,9 @@ class SpeculativeUpdate:
         try:
             clip()
             step()
+        except GraphUnsafe:
+            self.undo()  # (a graphed step's check stopped it before an operator ran)
+            raise
         except BaseException as e:
             self.undo()  # a step is applied whole or not at all
             raise RuntimeError(
@@ -170,6 +186,16 @@ class SpeculativeUpdate:
             for t, old in self.saved:
                 torch.where(ok, t, old, out=t)
         self.ok = ok
+        self.versions = [(p, p._version) for p in params]  # (a write after it shows)
+
+    def prepare(self, params: list[torch.Tensor], device: torch.device) -> None:
+        """Make the copy buffers for ``params``' update now (a capture must not allocate
+        what every replay reuses)."""
+        same = [t for t in self._targets(params) if t.device == device]
+        key = [(id(t), t.shape, t.dtype) for t in same]
+        if key != self._key:
+            self._buffers = [torch.empty_like(t) for t in same]
+            self._key = key
 
     def _copies(self, targets: list[torch.Tensor]) -> list[torch.Tensor]:
         """The targets copied into buffers kept from step to step (one foreach copy; new
@@ -183,12 +209,34 @@ class SpeculativeUpdate:
                 torch._foreach_copy_(self._buffers, [t.detach() for t in targets])
         return self._buffers
 
+    def state(self) -> tuple[Any, ...]:
+        """What :meth:`run` left for the host (the copies, the flag, how it gated): a
+        captured step's replays leave the same, put back with :meth:`rearm`."""
+        return (list(self.saved), list(self.host_saved), self.ok, self.uncopied)
+
+    def rearm(self, state: tuple[Any, ...]) -> None:
+        """The state :meth:`state` returned (a captured step replayed: its copies and
+        flag are the capture's buffers, refilled by the replay)."""
+        saved, host_saved, self.ok, self.uncopied = state
+        self.saved, self.host_saved = list(saved), list(host_saved)
+        self.versions = [(t, t._version) for t, _ in self.saved]  # (a replay bumps none)
+
     def undo(self) -> None:
         """Put back what the update changed (the host decided against the step)."""
         if self.uncopied and self.ok is not None:
             raise RuntimeError(
                 "a fused optimizer's update, kept on the device with found_inf, cannot be "
                 "undone: no copies were kept (the weights hold this step's update)"
+            )
+        edited = sum(p._version != v for p, v in self.versions)
+        if edited:
+            warnings.warn(
+                f"floatguard: {edited} parameter(s) were written in place after the step "
+                "returned, before the host settled it; the step is undone from its copies, "
+                "and that write with it (call guard.settle() before writing the weights, or "
+                "use a spike detector with a bar, detector='robust', which never undoes)",
+                RuntimeWarning,
+                stacklevel=4,
             )
         with torch.no_grad():
             for t, old in self.saved + self.host_saved:
@@ -205,4 +253,4 @@ class SpeculativeUpdate:
         self.release()
 
     def release(self) -> None:
-        self.saved, self.host_saved, self.ok = [], [], None
+        self.saved, self.host_saved, self.ok, self.versions = [], [], None, []

@@ -11,7 +11,7 @@ import torch
 from floatguard.causes import Cause
 from floatguard.monitor.localize import Fault
 
-__all__ = ["Action", "Closure", "Precision", "StepResult", "Watch"]
+__all__ = ["Action", "Closure", "GraphUnsafe", "Precision", "StepResult", "Watch"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Action = Literal["applied", "skipped", "rolled_back"]
@@ -53,3 +53,9 @@ class StepResult:
         host has not read yet: ``Guard(sync="deferred")``, :class:`PendingResult
         <floatguard.guard.deferred.PendingResult>`)."""
         return True
+
+
+class GraphUnsafe(RuntimeError):
+    """A step a CUDA graph would replay wrongly, or could not capture
+    (:meth:`Guard.graphed <floatguard.guard.core.Guard.graphed>`; see
+    :mod:`floatguard.guard.graphs`)."""

@@ -193,6 +193,8 @@ class FloatguardCallback(_TrainerCallback, GuardedLoop):  # type: ignore[misc]
                     self._replaying = False
                 if loss is None:
                     raise RuntimeError("the replayed forward returned no loss")
+                if "num_items_in_batch" in kwargs:  # scaled as the recorded loss was
+                    loss = loss * self._accumulation
                 return loss
 
             return closure

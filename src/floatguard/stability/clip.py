@@ -271,6 +271,34 @@ class ZClip:
             else torch.full_like(norm, coef, dtype=torch.float64)
         )
 
+    def host_state(self) -> list[float]:
+        """A host ZClip's state as six floats (mean, var, count, w_mean, w_m2, and
+        initialized as 1 or 0): what a captured step reads from a device copy
+        (:meth:`compute_from`)."""
+        if not self.on_host:
+            raise ValueError("host_state() is a host ZClip's (ZClip(on_host=True))")
+        st = self._init_state(0.0)
+        names = ("mean", "var", "count", "w_mean", "w_m2")
+        return [float(st[k]) for k in names] + [1.0 if st["initialized"] else 0.0]
+
+    def compute_from(self, norm: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The coefficient :meth:`compute_on_device` gives, from ``state``: a float64
+        device copy of :meth:`host_state`, read by device arithmetic only (both branches
+        of every choice computed, then selected: the same operations whatever the
+        state, so a CUDA graph can capture them; the same IEEE float64 operations as the
+        host's, so the same bits)."""
+        saved = (self._ops, self._state, self.on_host)
+        self._ops, self.on_host = DeviceOps, False
+        self._state = {
+            "mean": state[0], "var": state[1], "count": state[2], "w_mean": state[3],
+            "w_m2": state[4], "initialized": state[5] > 0,
+        }  # fmt: skip
+        try:
+            coef: torch.Tensor = self.compute(norm.to(torch.float64))[2]
+        finally:
+            self._ops, self._state, self.on_host = saved
+        return coef
+
     def update(self, norm: Any, clip_value: Any, clipped: Any) -> None:
         """Fold this step into the statistics (warmup buffer, then EMA). Non-finite: no-op."""
         c, o = self.config, self._ops

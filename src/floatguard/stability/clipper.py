@@ -53,17 +53,27 @@ class Clipper:
             _scale_(grads, coef)
 
     def apply_on_device(
-        self, params: list[torch.Tensor], grads: list[torch.Tensor], norm: torch.Tensor
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        norm: torch.Tensor,
+        zstate: torch.Tensor | None = None,
     ) -> None:
         """Clip from the device norm, no host read (the guard's deferred mode): the value
         clamp as :meth:`apply`; ``kind="norm"``: the coefficient :meth:`coefficient`
         computes, in float64 on the device (the same float64 operations, so the same
         bits), 1 for a non-finite norm; ZClip: its coefficient from its host state and
-        the device norm (:meth:`ZClip.compute_on_device`)."""
+        the device norm (:meth:`ZClip.compute_on_device`), or from ``zstate``, a device
+        copy of its state (:meth:`ZClip.compute_from`: a captured step's)."""
         if self.policy.kind == "value":
             clip_grad_value_(params, self.policy.max_value)
         elif self.zclip is not None and grads:
-            _scale_(grads, self.zclip.compute_on_device(norm.detach()))
+            coef = (
+                self.zclip.compute_on_device(norm.detach())
+                if zstate is None
+                else self.zclip.compute_from(norm.detach(), zstate)
+            )
+            _scale_(grads, coef)
         elif self.policy.kind == "norm" and grads:
             n = norm.detach().double()
             quotient = torch.full_like(n, self.policy.max_norm) / (n + 1e-6)
