@@ -16,7 +16,7 @@ ALSO = {
     "SnapshotFolderBusy": ValueError, "ReproError": ValueError,
     "NothingToEmulate": ValueError, "GuardStopped": RuntimeError,
     "DistributedStop": RuntimeError, "PeerFailed": RuntimeError,
-    "GuardDesync": RuntimeError, "NotRegularFile": OSError,
+    "GuardDesync": RuntimeError, "NotRegularFile": OSError, "GraphUnsafe": RuntimeError,
 }  # fmt: skip
 
 

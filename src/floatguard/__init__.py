@@ -14,7 +14,7 @@ from floatguard.events import Event, EventLog, read_events
 from floatguard.formats import FORMATS, Explanation, Format, explain, quantize
 from floatguard.formats.codec import decode, encode
 from floatguard.gap import ExpectedGap, expected_gap
-from floatguard.guard import Guard, StepResult
+from floatguard.guard import GraphedStep, GraphUnsafe, Guard, StepResult
 from floatguard.monitor import Alert, Fault, Monitor, ReplayResult, replay
 from floatguard.ops import GradcheckReport, LogSumExp, Moments, gradcheck
 from floatguard.repro import ReproError
@@ -74,6 +74,8 @@ __all__ = [  # noqa: RUF022 (grouped by what a user does, sorted within a group)
     "BadDataPolicy",
     "ClipPolicy",
     "DynamicLossScaler",
+    "GraphUnsafe",
+    "GraphedStep",
     "Guard",
     "LadderPolicy",
     "LossSpikeHandler",

@@ -48,13 +48,19 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from floatguard.guard.pending import Pending, PendingResult, SettleFirst
+from floatguard.guard.pending import Pending, PendingResult
 from floatguard.guard.read import Packed
 from floatguard.guard.speculative import Mailbox, SpeculativeUpdate, frozen
 from floatguard.guard.types import Closure, StepResult
 from floatguard.stability.step_state import set_rng_state
 
 __all__ = ["DeferredStepper", "Pending", "PendingResult"]
+
+
+class _SettleFirst(BaseException):
+    """A settling asked for while the next step runs ahead of it (its closure reads the
+    step before's result): the run ahead is dropped, the step settled, then run again.
+    (A BaseException: the closure's own ``except Exception`` does not swallow it.)"""
 
 
 class DeferredStepper:
@@ -280,7 +286,7 @@ class DeferredStepper:
         self._ahead = True
         try:
             run()
-        except SettleFirst:  # the closure asked for the step before (read its result):
+        except _SettleFirst:  # the closure asked for the step before (read its result):
             self._ahead = False  # settled first, then the step runs from the start
             c.scratch.hold()
             set_rng_state(entry)
@@ -322,7 +328,7 @@ class DeferredStepper:
         if p is None:
             return None
         if self._ahead:  # asked from inside the next step's closure, running ahead
-            raise SettleFirst
+            raise _SettleFirst
         self.pending = None
         c = self._c
         begun = c.scratch.hold()  # the next step's work, if it began: kept apart

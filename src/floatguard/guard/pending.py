@@ -17,7 +17,7 @@ from floatguard.guard.types import Closure, StepResult
 if TYPE_CHECKING:
     from floatguard.guard.deferred import DeferredStepper
 
-__all__ = ["Pending", "PendingResult", "SettleFirst"]
+__all__ = ["Pending", "PendingResult"]
 
 
 _LAZY = frozenset(f.name for f in fields(StepResult)) - {"step"}
@@ -81,12 +81,6 @@ class PendingResult(StepResult):
     def settled(self) -> bool:
         """Whether the host has decided this step (reading it then costs nothing)."""
         return object.__getattribute__(self, "_decided") is not None
-
-
-class SettleFirst(BaseException):
-    """A settling asked for while the next step runs ahead of it (its closure reads the
-    step before's result): the run ahead is dropped, the step settled, then run again.
-    (A BaseException: the closure's own ``except Exception`` does not swallow it.)"""
 
 
 @dataclass

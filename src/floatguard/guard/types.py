@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from floatguard.causes import Cause
+from floatguard.errors import FloatguardError
 from floatguard.monitor.localize import Fault
 
 __all__ = ["Action", "Closure", "GraphUnsafe", "Precision", "StepResult", "Watch"]
@@ -55,7 +56,7 @@ class StepResult:
         return True
 
 
-class GraphUnsafe(RuntimeError):
+class GraphUnsafe(FloatguardError, RuntimeError):
     """A step a CUDA graph would replay wrongly, or could not capture
     (:meth:`Guard.graphed <floatguard.guard.core.Guard.graphed>`; see
     :mod:`floatguard.guard.graphs`)."""
