@@ -5,7 +5,7 @@ which settles the step when read (:class:`PendingResult`), and what it keeps unt
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,8 +14,14 @@ from floatguard.guard.scratch import Leftovers
 from floatguard.guard.speculative import Mailbox, SpeculativeUpdate
 from floatguard.guard.types import Closure, StepResult
 
-if TYPE_CHECKING:
-    from floatguard.guard.deferred import DeferredStepper
+
+class Settles(Protocol):
+    """What a pending result asks of the deferred stepper that made it."""
+
+    settling: int | None
+
+    def settle(self) -> StepResult | None: ...
+
 
 __all__ = ["Pending", "PendingResult"]
 
@@ -31,7 +37,7 @@ class PendingResult(StepResult):
     guard (an unread step can still be settled through it); a decided result does
     not keep its guard alive."""
 
-    def __init__(self, step: int, stepper: DeferredStepper) -> None:
+    def __init__(self, step: int, stepper: Settles) -> None:
         object.__setattr__(self, "step", step)
         object.__setattr__(self, "_stepper", stepper)
         object.__setattr__(self, "_decided", None)
