@@ -214,3 +214,102 @@ def test_zclip_from_its_state_on_the_device_is_the_hosts_coefficient() -> None:
         host.update(n, value, clipped)
     with pytest.raises(ValueError, match="host ZClip"):
         ZClip().host_state()
+
+
+def _lr_run(mode: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4), fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 10))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g)) for _ in range(12)]
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    if mode == "loop":  # the hand-written loop: the LR of step k is the schedule's k-th
+        for x, y in data:
+            opt.zero_grad()
+            loss_fn(x, y).backward()
+            opt.step()
+            sched.step()
+        return [p.detach().clone() for p in model.parameters()]
+    guard = Guard(model, opt, scheduler=sched, sync="exact" if mode == "exact" else "deferred",
+                  clip=ClipPolicy(kind="none"))  # fmt: skip
+    step = guard.graphed(loss_fn, *data[0]) if mode == "graphed" else None
+    for x, y in data:
+        _ = step(x, y) if step else guard.step(lambda x=x, y=y: loss_fn(x, y))
+    guard.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["exact", "deferred", "graphed"])
+def test_a_tensor_lr_a_scheduler_fills_is_the_schedules_lr(mode: str) -> None:
+    """lr=torch.tensor(...) (what a captured step needs): the scheduler fills it in place;
+    the guard steps the scheduler before the update and puts its value back for the
+    update (a copy of the value, not the object), so every update uses the schedule's
+    LR: bit for bit the hand-written loop."""
+    ref = _lr_run("loop")
+    assert all(torch.equal(a, b) for a, b in zip(ref, _lr_run(mode), strict=True))
+
+
+def test_a_refused_fused_step_leaves_its_step_counters() -> None:
+    """Fused AdamW counts the step before its kernel; a refusal stops the kernel and
+    puts the counters back: the step leaves no trace."""
+    model = MODELS["plain"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9**k)  # a float LR: baked
+    guard = Guard(model, opt, scheduler=sched, sync="deferred")
+    data = batches(8)
+    step = guard.graphed(lambda x, y: nn.functional.mse_loss(model(x), y), *data[0])
+    for x, y in data[:4]:
+        step(x, y)
+    guard.settle()
+    counters = [opt.state[p]["step"].clone() for p in model.parameters()]
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(GraphUnsafe, match=r"_fused_adamw_.*'lr'.*cycle_momentum"):
+        step(*data[4])
+    assert [opt.state[p]["step"] for p in model.parameters()] == counters
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+    guard.close()
+
+
+def test_what_a_graph_cannot_take_is_named() -> None:
+    """A batch that requires grad (the static inputs do not), a host read in loss_fn
+    (.tolist() reads a CPU tensor without an operator: caught too, with its line), a
+    parameter that never gets a gradient (never captured: named, and warned), a
+    graphed step of a closed guard."""
+    model = MODELS["plain"]()
+    guard = Guard(model, _optimizer(model, "sgd"), sync="deferred")
+    data = batches(6)
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    step = guard.graphed(loss_fn, *data[0])
+    with pytest.raises(ValueError, match=r"input 0 requires grad.*x\.detach\(\)"):
+        step(data[0][0].requires_grad_(), data[0][1])
+    data[0][0].requires_grad_(False)
+
+    def reading(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.mse_loss(model(x), y)
+        _ = loss.detach().tolist()  # a host read
+        return loss
+
+    step = guard.graphed(reading, *data[0])
+    with pytest.raises(GraphUnsafe, match=r"\.tolist\(\)\) at tests/test_guard_graphed\.py"):
+        for x, y in data:
+            step(x, y)
+    guard.close()
+    with pytest.raises(RuntimeError, match=r"graphed\(\) after guard\.close\(\)"):
+        guard.graphed(loss_fn, *data[0])
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(8, 4), "unused": nn.Linear(8, 4)})
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), sync="deferred")
+    step = guard.graphed(lambda x, y: nn.functional.mse_loss(model["used"](x), y), *data[0])
+    with pytest.warns(RuntimeWarning, match=r"not replayed once: 2 trainable .*'unused\.weight'"):
+        for _ in range(14):
+            step(*data[1])
+    assert step.replays == 0 and "requires_grad=False" in (step.why_eager or "")
+    guard.close()

@@ -300,16 +300,33 @@ def _one_level(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: copy.copy(v) if isinstance(v, (list, dict)) else v for k, v in sd.items()}
 
 
+class _Held:
+    """A tensor hyper-parameter (``lr=torch.tensor(...)``) as it was: the object the group
+    held and a copy of its value (a scheduler fills it in place)."""
+
+    __slots__ = ("obj", "value")
+
+    def __init__(self, obj: torch.Tensor) -> None:
+        self.obj, self.value = obj, obj.detach().clone()
+
+
 def _hypers(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Every parameter group's settings (all but its parameters), copied."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    """Every parameter group's settings (all but its parameters), copied (a tensor's
+    value too: a device copy, no sync)."""
+    return [
+        {k: _Held(v) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+        for g in optimizer.param_groups
+    ]
 
 
 def _set_hypers(optimizer: torch.optim.Optimizer, hypers: list[dict[str, Any]]) -> None:
+    """Put back what :func:`_hypers` copied: a tensor's object and, in place, its value
+    (a fused optimizer, or a captured graph, holds that object)."""
     for group, values in zip(optimizer.param_groups, hypers, strict=True):
         for k, v in values.items():
-            if isinstance(group.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
-                if group[k] is not v:
-                    group[k] = v
+            if isinstance(v, _Held):
+                with torch.no_grad():
+                    v.obj.copy_(v.value)
+                group[k] = v.obj
             else:
                 group[k] = v

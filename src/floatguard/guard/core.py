@@ -37,9 +37,9 @@ from floatguard.guard.conclude import StepEnd
 from floatguard.guard.crew import build_crew
 from floatguard.guard.graphs import GraphedStep
 from floatguard.guard.judge import StepVerdict
+from floatguard.guard.persist_api import GuardPersistence
 from floatguard.guard.run import as_closures
 from floatguard.guard.types import Closure, Precision, StepResult, Watch
-from floatguard.guard.views import GuardViews
 from floatguard.scaling.loss_scale import DynamicLossScaler
 from floatguard.stability.respond import ClipPolicy, GuardStopped, ResponsePolicy, SpikePolicy
 from floatguard.stability.trend import TrendPolicy
@@ -47,7 +47,7 @@ from floatguard.stability.trend import TrendPolicy
 __all__ = ["Guard"]
 
 
-class Guard(GuardViews):
+class Guard(GuardPersistence):
     """Keep a training loop numerically healthy (``docs/guard.md`` has the whole story).
 
     Args:
@@ -300,6 +300,8 @@ class Guard(GuardViews):
         eager, its operators compared with the captured step's: :class:`GraphUnsafe`
         names what a graph would replay wrongly; the default on the CPU). See
         :mod:`floatguard.guard.graphs` and ``docs/guard.md``, "CUDA graphs"."""
+        if self.ended:
+            raise RuntimeError("guard.graphed() after guard.close() or finish(): build a new Guard")
         half = check_graphable(self._deferred, self._c, self.precision, self.device)
         return GraphedStep(
             loss_fn, example, guard=self, stepper=half, warmup=warmup, backend=backend,
@@ -381,53 +383,6 @@ class Guard(GuardViews):
             raise
         finally:
             run.stage = "idle"
-
-    # --------------------------------------------------------- persistence
-    def resume(self, path: str | os.PathLike[str] | None = None, *, foreign: bool = False) -> int:
-        """Continue a run from its newest good snapshot on disk; returns the step to run next.
-
-        ``path``: a snapshot file, or a folder of them (default: the policy's
-        ``snapshot_dir``). This guard continues the run the snapshot folder belongs to
-        (its ``floatguard-run.json``): a snapshot written by another run is *foreign*.
-        In a folder, a newer snapshot that fails to verify, is misnamed (its name says
-        another step: renamed or swapped) or is foreign is passed over for the one
-        before it (a ``snapshot_fallback`` event each, saying why). A file named by
-        ``path`` is refused for those instead (SnapshotError; ForeignSnapshotError for
-        another run's); ``foreign=True`` takes another run's snapshot on purpose (a
-        branch of a run, a file copied from elsewhere). The snapshot is checked against
-        the model and optimizer (every tensor's name, shape and dtype) before anything
-        is loaded: a misfit is a SnapshotError naming the first tensor that differs,
-        with model and optimizer untouched. The snapshot folder's lock is taken first:
-        SnapshotFolderBusy while another guard writes there.
-
-        Under torch.distributed (every rank calls it) the ranks resume from the same
-        step: the newest one every rank has a good snapshot of, each from its own file
-        (:mod:`floatguard.guard.resume_agree`); when there is none, or a rank cannot
-        load its file, every rank raises SnapshotError naming each rank's steps or the
-        rank that failed, with nothing loaded anywhere.
-
-        Model, optimizer, scaler, scheduler, clipper, detectors, the guard's counters
-        and the torch RNG (as at the start of that step) are restored; a ``resume``
-        event marks where the event stream picks up (with this rank's newest step and
-        the ranks behind, when the step agreed is older). Feed the data from the
-        returned step on.
-        """
-        self.settle()
-        return self._c.checkpoint.resume(path, foreign)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The guard's own state, for a framework's checkpoint (Lightning keeps a
-        callback's): step counter, counters, loss scaler, clipper and spike detectors.
-        Not the model, optimizer or scheduler (the framework saves those)."""
-        self.settle()
-        return self._c.checkpoint.state_dict()
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (a guard configured the same way).
-        The guard then continues the run its ``snapshot_dir`` belongs to (as after
-        :meth:`resume`), so a framework's resume keeps the folder's snapshots its own."""
-        self.settle()
-        self._c.checkpoint.load_state_dict(sd)
 
     def skip_external(
         self,

@@ -12,7 +12,7 @@ import torch
 from floatguard.guard.deferred import DeferredStepper
 from floatguard.guard.pending import PendingResult
 from floatguard.guard.read import Packed
-from floatguard.guard.types import Closure
+from floatguard.guard.types import Closure, GraphUnsafe
 
 __all__ = ["GraphHalf"]
 
@@ -44,7 +44,14 @@ class GraphHalf:
         opt = c.scratch.optimizer
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         if not d.update.can_gate(params):
-            return "the optimizer's state is not made for every trainable parameter yet"
+            missing = [p for p in params if id(p) not in d.update.known]
+            names = {id(p): n for n, p in c.state.model.named_parameters()}
+            shown = ", ".join(repr(names.get(id(p), "?")) for p in missing[:3])
+            return (
+                f"{len(missing)} trainable parameter(s) got no gradient in the last exact "
+                f"step ({shown}): a parameter that never gets one keeps every step eager "
+                "(freeze it: requires_grad=False)"
+            )
         return None
 
     def graph_scalars(self) -> torch.Tensor:
@@ -83,16 +90,33 @@ class GraphHalf:
         self._d.update.prepare(params, self.scalars.device)
 
     def device_step(
-        self, closures: list[Closure], scalars: torch.Tensor
+        self, closures: list[Closure], scalars: torch.Tensor, checking: bool = False
     ) -> tuple[Packed, list[torch.Tensor], tuple[Any, ...]]:
         """What the graph captures: the forward and backward, the packed read, the
         verdict against the bars in ``scalars``, the clipping (ZClip from its state in
-        ``scalars``), the gated update and the read's copy to the mailbox."""
+        ``scalars``), the gated update and the read's copy to the mailbox. ``checking``
+        (the check backend): the optimizer's step counters are copied first and put back
+        when the check stops the update (a fused Adam counts the step before its kernel,
+        which the check stops)."""
         c, d = self._c, self._d
         c.runner.run(closures, cache=False)
         packed = c.reader.pack(c.run.step_count, c.runner.mean_loss())
         ok = d.verdict(packed, scalars[:2])
-        d.gated_update(packed, ok, 1.0, scalars[2:], record=False)
+        opt = c.scratch.optimizer
+        counters = [
+            (t, t.detach().clone())
+            for g in opt.param_groups
+            for p in g["params"]
+            for k, t in opt.state.get(p, {}).items()
+            if checking and k == "step" and isinstance(t, torch.Tensor)
+        ]
+        try:
+            d.gated_update(packed, ok, 1.0, scalars[2:], record=False)
+        except GraphUnsafe:
+            with torch.no_grad():
+                for t, kept in counters:
+                    t.copy_(kept)
+            raise
         return packed, list(c.runner.losses), d.update.state()
 
     def record_batch(self, batch: tuple[torch.Tensor, ...]) -> None:

@@ -27,7 +27,10 @@ allocation the graph's pool refuses), the memory of the graph's pool, and the sp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -59,11 +62,7 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             self.failed = True
-            raise GraphUnsafe(
-                "floatguard: the step reads a tensor to the host (.item(), a bool of a "
-                "tensor): a CUDA graph cannot capture a host read (an optimizer without "
-                "capturable=True or fused=True reads its step counter)"
-            )
+            raise _host_read("a Python number of a tensor (.item(), bool, float)")
         now = (str(func), _shape_of((args, kwargs)))
         i = len(self.ops)
         if self.expected is not None:
@@ -76,13 +75,57 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 )
                 self.failed = True
                 raise GraphUnsafe(
-                    f"floatguard: the step is not the one captured: operator #{i} {what} "
-                    "(a number that changes from step to step, or a branch taken on a "
-                    "value, is baked into a CUDA graph; make it a device tensor, e.g. "
-                    "lr=torch.tensor(...) for a scheduled LR)"
+                    f"floatguard: the step is not the one captured: operator #{i} {what}, "
+                    f"at {_site()} (a number that changes from step to step, or a branch "
+                    "taken on a value, is baked into a CUDA graph: make it a device tensor "
+                    "(a scheduled LR: lr=torch.tensor(...) with fused=True), or keep it "
+                    "fixed (OneCycleLR(cycle_momentum=False) for its betas)"
                 )
         self.ops.append(now)
         return func(*args, **kwargs)
+
+
+def _site() -> str:
+    """Where the step's code stands now: the innermost frame outside the dispatch
+    machinery and this module (the user's line, or torch.optim's)."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        name = frame.filename.replace("\\", "/")
+        if not name.endswith(("/guard/graphs.py", "/utils/_python_dispatch.py")) and (
+            "/torch/_ops.py" not in name
+        ):
+            short = "/".join(name.rsplit("/", 2)[-2:])
+            return f"{short}:{frame.lineno} in {frame.name}"
+    return "an unknown place"
+
+
+def _host_read(what: str) -> GraphUnsafe:
+    return GraphUnsafe(
+        f"floatguard: the step reads a tensor to the host ({what}) at {_site()}: a CUDA "
+        "graph cannot capture a host read (in loss_fn: keep the value a tensor; in "
+        "torch.optim: an optimizer without fused=True or capturable=True reads its step "
+        "counter, and a tensor LR without fused=True is read as a number)"
+    )
+
+
+@contextlib.contextmanager
+def _no_tolist() -> Iterator[None]:
+    """``Tensor.tolist`` and ``Tensor.numpy`` raise :class:`GraphUnsafe` inside (on a CPU
+    tensor they read without dispatching an operator)."""
+    saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
+
+    def refuse(name: str) -> Any:
+        def method(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            raise _host_read(f".{name}()")
+
+        return method
+
+    for n in saved:
+        setattr(torch.Tensor, n, refuse(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
 
 
 def _shape_of(x: Any) -> Any:
@@ -116,7 +159,7 @@ class _Check:
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         record = _Record()
-        with record:
+        with record, _no_tolist():
             out = fn()
         self.captured = record.ops
         return out
@@ -124,7 +167,7 @@ class _Check:
     def replay(self, fn: Callable[[], Any]) -> Any:
         assert self.captured is not None
         record = _Record(self.captured)
-        with record:
+        with record, _no_tolist():
             out = fn()
         if len(record.ops) != len(self.captured):
             raise GraphUnsafe(
@@ -208,6 +251,7 @@ class GraphedStep:
         self.static = [x.detach().clone() for x in example]
         self.warmup_left = warmup
         self.replays = self.eager_steps = self.captures = 0
+        self._never = 0
         self.why_eager: str | None = "warm-up"
         self._targets: list[tuple[int, int]] | None = None
         self._out: tuple[Packed, list[torch.Tensor], tuple[Any, ...]] | None = None
@@ -226,6 +270,10 @@ class GraphedStep:
         if why is not None:
             self.warmup_left -= 1
             self.eager_steps += 1
+            self._never = self._never + 1 if self.replays == 0 and why != "warm-up" else 0
+            if self._never == 10:  # (not one replay yet, ten steps after the warm-up)
+                warnings.warn(f"floatguard: the graphed step has not replayed once: {why}",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
             return self._eager(batch)
         self._batch = batch
 
@@ -253,6 +301,11 @@ class GraphedStep:
             raise ValueError(f"the graphed step takes {len(self.static)} tensors (as the "
                              f"example batch), got {len(batch)}")  # fmt: skip
         for i, (x, s) in enumerate(zip(batch, self.static, strict=True)):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise ValueError(
+                    f"the graphed step's input {i} requires grad: the graph's static inputs "
+                    "do not (no gradient flows to a batch); pass it detached (x.detach())"
+                )
             if not isinstance(x, torch.Tensor) or x.shape != s.shape or x.dtype != s.dtype:
                 got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
                 raise ValueError(
@@ -265,16 +318,19 @@ class GraphedStep:
         """Copy the batch into the static inputs, write the host's scalars for the
         graph, and replay it (captured first, or again when the optimizer's tensors were
         replaced)."""
-        for s, x in zip(self.static, self._batch, strict=True):
-            s.copy_(x, non_blocking=True)
+        with torch.no_grad():
+            for s, x in zip(self.static, self._batch, strict=True):
+                s.copy_(x, non_blocking=True)
         stepper = self._stepper
         scalars = stepper.graph_scalars()
         targets = stepper.graph_targets()
         closures = [lambda: self._loss_fn(*self.static)]
 
+        checking = isinstance(self._backend, _Check)
+
         def device_step() -> tuple[Packed, list[torch.Tensor], tuple[Any, ...]]:
             out: tuple[Packed, list[torch.Tensor], tuple[Any, ...]]
-            out = stepper.device_step(closures, scalars)
+            out = stepper.device_step(closures, scalars, checking)
             return out
 
         if self._targets != targets or self._out is None:
