@@ -298,3 +298,18 @@ def test_a_log_that_cannot_be_opened_for_room_or_rights_warns_and_keeps_memory(
     log.emit("snapshot", 0, where="memory", freed=None)
     log.close()
     assert log.write_error is not None and len(log.events) == 1
+
+
+def test_a_schema_1_string_field_reading_inf_stays_a_string(tmp_path: Path) -> None:
+    """Schema 1 wrote non-finite floats as bare strings ("inf"); a field the schema types
+    as a string (a run's optimizer, its precision) keeps such a word as it is (found by
+    the report's property test: an optimizer class named "inf" made the run unreadable)."""
+    from floatguard.events import encode_value
+
+    rec = {"schema": 1, "kind": "run", "step": 0, "time": 0.0, "rank": 0,
+           "optimizer": "inf", "precision": "nan"}  # fmt: skip
+    log = tmp_path / "events.jsonl"
+    log.write_text(json.dumps(encode_value(rec)) + "\n")
+    problems: list[str] = []
+    (event,) = read_events(log, errors=problems)
+    assert problems == [] and event["optimizer"] == "inf" and event["precision"] == "nan"

@@ -87,6 +87,8 @@ _STRING_FIELDS = frozenset(
     {"kind_of_value", "phase", "module", "tensor", "op", "source", "action", "reason",
      "signal", "where", "cause", "message", "error", "path", "bad", "used", "policy", "fault",
      "level"}
+) | frozenset(  # and every field the schema types as a string (a run's "optimizer": "inf")
+    name for fields in FIELD_TYPES.values() for name, t in fields.items() if t.rstrip("?") == "str"
 )  # fmt: skip
 
 
