@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from floatguard._foreach import local_groups
+from floatguard._values import local_part
 from floatguard.guard.types import Closure, GraphUnsafe
 
 __all__ = ["Mailbox", "SpeculativeUpdate", "frozen"]
@@ -184,7 +186,8 @@ class SpeculativeUpdate:
             ) from e
         with torch.no_grad():
             for t, old in self.saved:
-                torch.where(ok, t, old, out=t)
+                here = local_part(t)
+                torch.where(ok, here, local_part(old), out=here)
         self.ok = ok
         self.versions = [(p, p._version) for p in params]  # (a write after it shows)
 
@@ -204,9 +207,10 @@ class SpeculativeUpdate:
         if key != self._key:
             self._buffers = [torch.empty_like(t) for t in targets]
             self._key = key
-        if targets:
+        if targets:  # (DTensors through their local parts: no collective)
             with torch.no_grad():
-                torch._foreach_copy_(self._buffers, [t.detach() for t in targets])
+                for bufs, sources in local_groups(self._buffers, [t.detach() for t in targets]):
+                    torch._foreach_copy_(bufs, sources)
         return self._buffers
 
     def state(self) -> tuple[Any, ...]:
@@ -240,7 +244,7 @@ class SpeculativeUpdate:
             )
         with torch.no_grad():
             for t, old in self.saved + self.host_saved:
-                t.copy_(old)
+                local_part(t).copy_(local_part(old))
         self.release()
 
     def settled(self, applied: bool) -> None:
@@ -249,7 +253,7 @@ class SpeculativeUpdate:
         if not applied:
             with torch.no_grad():
                 for t, old in self.host_saved:
-                    t.copy_(old)
+                    local_part(t).copy_(local_part(old))
         self.release()
 
     def release(self) -> None:

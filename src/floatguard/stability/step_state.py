@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from floatguard._foreach import local_groups
+from floatguard._values import local_part
 
 __all__ = ["StepState", "cuda_devices", "rng_state", "set_rng_state"]
 
@@ -95,7 +96,8 @@ class StepState:
             for n, c in zip(self._names, self._copies, strict=True):
                 b = current.get(n)
                 if b is not None and b.shape == c.shape and b.dtype == c.dtype:
-                    torch.where(keep.to(b.device), b, c, out=b)
+                    here = local_part(b)  # (a DTensor's local part: no collective)
+                    torch.where(keep.to(here.device), here, local_part(c), out=here)
 
     def restore_rng(self) -> None:
         set_rng_state(self.rng)
