@@ -117,6 +117,8 @@ def test_async_nan_sentinel_counts_host_reads() -> None:
     assert layers == 25
     assert float(out["host reads per step, per-layer isnan().any().item()"]) == layers
     assert float(out["host reads per step, guard"]) == 1
+    assert int(out["host reads per healthy step, guard sync='deferred'"]) == 0
+    assert out["steps with a read, guard sync='deferred'"] == "4 of 20"  # the snapshot steps
     assert out["bad step"].startswith("rolled_back, nonfinite_param")
     assert "nan born in 6 (param, param:weight)" in out["bad step"]
     assert float(out["time ratio per-layer / guard"]) > 0
