@@ -26,10 +26,11 @@ from torch import nn
 from floatguard import Guard
 
 rank, init, how, late = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+sync = sys.argv[5] if len(sys.argv) > 5 else "exact"
 dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
 torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
-guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.05))
+guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.05), sync=sync)
 x, y = torch.randn(8, 4), torch.randn(8, 1)
 for _ in range(3):
     guard.step(lambda: ((model(x) - y) ** 2).mean())
@@ -72,13 +73,13 @@ print(f"rank {rank} done", flush=True)
 """
 
 
-def _run(tmp_path: Path, how: str, late: float) -> list[tuple[int, str]]:
+def _run(tmp_path: Path, how: str, late: float, sync: str = "exact") -> list[tuple[int, str]]:
     script = tmp_path / "ends.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "init"), how,
-                          str(late)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          str(late), sync], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env=env)
         for r in (0, 1)
     ]  # fmt: skip
@@ -130,11 +131,13 @@ def test_close_does_not_wait_for_a_killed_peer(tmp_path: Path) -> None:
     assert ends[1][0] == -9
 
 
-def test_an_error_raised_outside_the_step_is_what_the_peers_hear(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", ["exact", "deferred"])
+def test_an_error_raised_outside_the_step_is_what_the_peers_hear(tmp_path: Path, sync: str) -> None:
     """Rank 1 leaves ``with guard:`` by an error of its own (not in guard.step): its note
     in the store says so, and rank 0 stops at its next step (DDP's all-reduce, ended by
-    rank 1's exit) with PeerFailed naming that error."""
-    ends = _run(tmp_path, "raise", late=1.0)
+    rank 1's exit) with PeerFailed naming that error. (Deferred: rank 1's third step is
+    still unsettled when it leaves; its read was reduced, so it counts.)"""
+    ends = _run(tmp_path, "raise", late=1.0, sync=sync)
     out = ends[0][1]
     said = ("rank 0 stops: PeerFailed: rank 0 waits in DDP's gradient all-reduce of guard "
             "step 3, but rank 1 exited after 3 guard steps without guard.finish() "

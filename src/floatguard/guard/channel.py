@@ -160,6 +160,13 @@ class ReadChannel:
             self.peers.finish(steps)
         self.finished = True
 
+    def read_sent(self) -> None:
+        """(The deferred mode) The step's read was reduced over the ranks and posted, to
+        be decoded a call later: the collectives after it belong to the next step (the
+        step check, at the decode, still stops every rank if it fails)."""
+        if self.peers is not None:
+            self.peers.read_done()
+
     def stopped(self, step: int, error: BaseException) -> None:
         """The guard stops with PeerFailed / GuardDesync: the ``stop`` event, written once."""
         if self.peers is not None:

@@ -144,6 +144,7 @@ class DeferredStepper:
             ok = ok & False
         last_update = c.updates.last()  # the last update that stood, until this one does
         self.gated_update(packed, ok, c.run.ladder.lr_factor)
+        c.channel.read_sent()
         return self.pend(step, packed, closures, last_update)
 
     def verdict(self, packed: Packed, bars: torch.Tensor | None = None) -> torch.Tensor:
