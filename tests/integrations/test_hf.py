@@ -186,7 +186,7 @@ def test_fp16_overflow_is_the_scalers_and_a_nan_batch_is_the_guards(tmp_path: Pa
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def _ddp_trainer_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+def _ddp_trainer_worker(rank: int, world: int, out: str, sync: str = "exact") -> dict[str, Any]:
     # torch.distributed is initialized (gloo, by the test harness); accelerate reads
     # these and uses the existing group
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -197,22 +197,24 @@ def _ddp_trainer_worker(rank: int, world: int, out: str) -> dict[str, Any]:
         save_strategy="no", use_cpu=True, disable_tqdm=True, ddp_backend="gloo",
         dataloader_num_workers=0, seed=0,
     )  # fmt: skip
-    cb = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=12.0))
+    cb = FloatguardCallback(spikes=SpikePolicy(window=8, warmup=4, z=12.0), sync=sync)  # type: ignore[arg-type]
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Embeds(40),
                                    callbacks=[cb])  # fmt: skip
     trainer.train()
-    assert cb.guard is not None and cb.guard.distributed
+    assert cb.guard is not None and cb.guard.distributed and cb.guard.sync == sync
     params = [p.detach().clone() for p in model.parameters()]
     return {"totals": cb.totals, "params": params}
 
 
 @pytest.mark.ranks
-def test_trainer_under_ddp_decides_alike_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", ["exact", "deferred"])
+def test_trainer_under_ddp_decides_alike_on_every_rank(tmp_path: Path, sync: str) -> None:
     """Two gloo ranks (the Trainer's own DDP): the NaN item lands in one rank's batch;
-    both ranks skip that step, name that rank, and end with identical weights."""
+    both ranks skip that step, name that rank, and end with identical weights (in both
+    modes: deferred, the read rides on DDP's all-reduce and settles a call later)."""
     from tests._ranks import run_ranks
 
-    res = run_ranks(_ddp_trainer_worker, 2, tmp_path, timeout=180)
+    res = run_ranks(_ddp_trainer_worker, 2, tmp_path, sync, timeout=180)
     assert "totals" in res[0] and "totals" in res[1], res
     assert res[0]["totals"] == res[1]["totals"] == {"applied": 9, "skipped": 1, "rolled_back": 0}
     assert all(torch.equal(a, b) for a, b in zip(res[0]["params"], res[1]["params"], strict=True))
