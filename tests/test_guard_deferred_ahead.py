@@ -300,3 +300,39 @@ def test_a_refilled_input_buffer_is_warned_when_its_step_is_replayed() -> None:
             buf_y.copy_(y)
             guard.step(closure(model, buf_x, buf_y))
     guard.close()
+
+
+class _RareNaN(nn.Module):
+    """A NaN drawn at random (p=0.05 per forward): a fault a replay reproduces only with
+    the step's own RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        return out * float("nan") if bool(torch.rand(()) < 0.05) else out
+
+
+def test_a_bypassing_loops_bad_step_is_replayed_with_its_own_draws() -> None:
+    """The three-call loop bypassing the root: the step before settles after this
+    step's forward drew; this step's replay still starts from the draws it began with
+    (deterministic, as in the exact mode; not 'transient')."""
+    out = {}
+    for sync in ("exact", "deferred"):
+        torch.manual_seed(0)
+        net = _RareNaN()
+        wrapped = Wrapped(net)
+        guard = Guard(wrapped, torch.optim.SGD(net.parameters(), lr=0.01), sync=sync)  # type: ignore[arg-type]
+        for x, y in batches(40):
+            loss = nn.functional.mse_loss(wrapped.net(x), y)
+            guard.backward(loss)
+            guard.step(replay=[lambda x=x, y=y, w=wrapped: nn.functional.mse_loss(w.net(x), y)])
+        guard.close()
+        out[sync] = [(e.step, e["action"], e["reason"]) for e in guard.events.of_kind("step")]
+        faults = [e["deterministic"] for e in guard.events.of_kind("fault")]
+        assert faults and all(faults), (sync, faults)  # every replay reproduced its NaN
+    bad = [r for r in out["exact"] if r[1] != "applied"]
+    assert bad and all(reason == "nonfinite_loss" for _, _, reason in bad), bad
+    assert out["deferred"] == out["exact"]

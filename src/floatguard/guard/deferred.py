@@ -83,7 +83,7 @@ class DeferredStepper:
         # "raised"; None: nothing
         self.stale: str | None = None
         self.scale_ratio = 1.0
-        self._ahead = False
+        self._ahead = self._settling_ahead = False
         self.settling: int | None = None  # the step being settled
         self._running_stats = self._c.state.has_running_stats()
         # The three-call loop runs the next forward before any guard call: the pending
@@ -216,6 +216,7 @@ class DeferredStepper:
         self.pending.inputs = [
             (t, t._version) for t in tree_flatten(held.batch)[0] if isinstance(t, torch.Tensor)
         ]
+        self.pending.rng_after = self._c.state.rng_now()  # where the next step's draws begin
         return result
 
     def can_run_ahead(self, closures: list[Closure]) -> bool:
@@ -304,11 +305,14 @@ class DeferredStepper:
             self._ahead = False
         after = c.state.rng_now()
         set_rng_state(entry)
+        self._settling_ahead = True  # (the RNG put back where this step began)
         try:
             self.settle()
         except BaseException:
             c.scratch.hold()
             raise
+        finally:
+            self._settling_ahead = False
         if self.take_stale() is not None:
             c.scratch.hold()
             return False
@@ -355,6 +359,10 @@ class DeferredStepper:
             if begun and changed is not None:
                 self.stale = changed
                 self.scale_ratio = c.runner.scaler.get_scale() / scale
+            if begun and not self._settling_ahead and p.rng_after is not None:
+                # the caller's forward drew before this settling: the next step's replays
+                # start where it began, as the step before returned (the exact mode's)
+                c.state.rng = p.rng_after
         return result
 
     def _decide(self, p: Pending) -> tuple[StepResult, bool]:

@@ -103,6 +103,7 @@ class Pending:
     last_update: Any = None
     held: Leftovers = field(default_factory=Leftovers)  # its gradients, losses, batch
     inputs: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    rng_after: dict[str, Any] | None = None  # the RNG as the step returned
 
     def refilled(self) -> bool:
         """Whether a tensor of the step's batch was written in place since the step."""
