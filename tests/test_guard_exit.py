@@ -106,21 +106,33 @@ def test_a_peers_later_end_does_not_abort_a_rank_in_teardown(
     """Rank 1 closes its guard (``exit``: just exits; ``destroy``: closes, then
     ``dist.barrier()`` and ``dist.destroy_process_group()``, a training script's end)
     ``late`` seconds after rank 0: both end with exit code 0, nothing aborted, no thread
-    of floatguard's alive mid-run or after close, and guard.close() waits for no one."""
-    ends = _run(tmp_path, how, late=late)
-    for rank, (rc, out) in enumerate(ends):
+    of floatguard's alive mid-run or after close, and guard.close() waits for no one.
+
+    A script that ends without ``destroy_process_group`` while its peer is alive is
+    sometimes aborted by torch's own teardown of the default gloo group ("terminate
+    called without an active exception"): measured 1 run in 12 with this script's DDP
+    steps and no floatguard at all. Such a run is run once more (the chance of two in a
+    row is under 1%); floatguard's part (no thread, nothing said, nothing waited for) is
+    asserted on every run."""
+    runs = [_run(tmp_path, how, late=late)]
+    if how != "destroy" and any("terminate called" in out for _, out in runs[0]):
+        (tmp_path / "again").mkdir()
+        runs.append(_run(tmp_path / "again", how, late=late))  # (torch's teardown, above)
+    for ends in runs:  # floatguard's part, on every run
+        for rank, (_, out) in enumerate(ends):
+            assert f"rank {rank} threads mid-run: []" in out, out
+            assert f"rank {rank} done" in out, out
+            said = [line for line in out.splitlines() if "floatguard: rank" in line]
+            if how == "exit":  # the guard was never closed: nothing said
+                assert said == [], out
+            else:  # closed without finish(): the one thing it says (it waits for nothing)
+                assert len(said) == 1, out
+                assert "closed after 3 guard steps without guard.finish()" in said[0], out
+            if how == "destroy":
+                assert f"rank {rank} after close: []" in out, out
+    for rank, (rc, out) in enumerate(runs[-1]):
         assert "terminate called" not in out, out
-        assert rc == 0 and f"rank {rank} done" in out, (rank, rc, out)
-        assert f"rank {rank} threads mid-run: []" in out, out
-        said = [line for line in out.splitlines() if "floatguard: rank" in line]
-        if how == "exit":  # the guard was never closed: nothing said
-            assert said == [], out
-        else:  # closed without finish(): the one thing it says (it waits for nothing)
-            assert (
-                len(said) == 1 and "closed after 3 guard steps without guard.finish()" in (said[0])
-            ), out
-        if how == "destroy":
-            assert f"rank {rank} after close: []" in out, out
+        assert rc == 0, (rank, rc, out)
 
 
 def test_close_does_not_wait_for_a_killed_peer(tmp_path: Path) -> None:
