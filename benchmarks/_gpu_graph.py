@@ -66,9 +66,6 @@ def _model_rows(backend: Any, sizes: Any, gc: Any, name: str, cfg: Any, batch: i
     per_step = gc.count_syncs(backend, step, steps)
     for _ in range(steps):
         plain()
-    counts = [len(c) for c in per_step]
-    first = next((c[0] for c in per_step if c), None)
-    where = "" if first is None else f"; first: '{first.message}' at {first.site()}"
     rows.append(gc.Row(
         f"(h) graphed steps replayed, {name}, bf16",
         f"{g.replays} of {g.replays + g.eager_steps} ({g.captures} capture, backend "
@@ -76,22 +73,14 @@ def _model_rows(backend: Any, sizes: Any, gc: Any, name: str, cfg: Any, batch: i
         f"all {steps} after the {sizes.warmup} warm-up",
         "PASS" if g.eager_steps == sizes.warmup and g.replays == steps else "FAIL",
     ))  # fmt: skip
-    rows.append(gc.Row(
-        f"(h) syncs per replayed step, {name}, bf16",
-        f"{min(counts)}-{max(counts)} per step{where}", "0 per healthy step",
-        "PASS" if max(counts) == 0 else "FAIL",
-    ))  # fmt: skip
-    error: str | None = None
-    try:
-        with backend.sync_debug("error"):
-            for _ in range(steps):
-                step()
-                plain()
-    except RuntimeError as e:
-        error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    rows.append(gc.Row(
-        f"(h) set_sync_debug_mode('error') on replays, {name}, bf16",
-        "no error" if error is None else error, "no error", "PASS" if error is None else "FAIL",
+    rows.append(gc.no_sync_row(f"(h) syncs per replayed step, {name}, bf16", per_step))
+
+    def both() -> None:
+        step()
+        plain()
+
+    rows.append(gc.error_mode_row(
+        backend, f"(h) set_sync_debug_mode('error') on replays, {name}, bf16", both, steps
     ))  # fmt: skip
     guard.settle()
     g_plain.settle()

@@ -891,6 +891,28 @@ def fused_peer(backend: Backend, cfg: GPTConfig, batch: int, precision: str) -> 
     return clip_step(model, opt, lambda: _lm_loss(model, x, y), backend.kind, dtype)
 
 
+def no_sync_row(check: str, per_step: list[list[SyncCall]]) -> Row:
+    """Expected: no synchronizing call in any counted step (the first one named)."""
+    counts = [len(c) for c in per_step]
+    first = next((c[0] for c in per_step if c), None)
+    where = "" if first is None else f"; first: '{first.message}' at {first.site()}"
+    return Row(check, f"{min(counts)}-{max(counts)} per step{where}", "0 per healthy step",
+               "PASS" if max(counts) == 0 else "FAIL")  # fmt: skip
+
+
+def error_mode_row(backend: Backend, check: str, step: Step, steps: int) -> Row:
+    """``steps`` calls of ``step`` under ``set_sync_debug_mode("error")``: any sync raises."""
+    error: str | None = None
+    try:
+        with backend.sync_debug("error"):
+            for _ in range(steps):
+                step()
+    except RuntimeError as e:  # the sync debug mode's error
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return Row(check, "no error" if error is None else error, "no error",
+               "PASS" if error is None else "FAIL")  # fmt: skip
+
+
 def deferred_check(backend: Backend, sizes: Sizes) -> list[Row]:
     """(g) ``Guard(sync="deferred")`` (issue 43): the synchronizing calls per healthy step
     after warm-up (warn mode; expected 0: the verdict is on the device, the read posted
@@ -906,26 +928,9 @@ def deferred_check(backend: Backend, sizes: Sizes) -> list[Row]:
             for _ in range(sizes.warmup):
                 step()
             per_step = count_syncs(backend, step, sizes.sync_steps)
-            counts = [len(c) for c in per_step]
-            first = next((c[0] for c in per_step if c), None)
-            where = "" if first is None else f"; first: '{first.message}' at {first.site()}"
-            rows.append(Row(
-                f"(g) syncs per deferred step, {name}, {precision}",
-                f"{min(counts)}-{max(counts)} per step{where}", "0 per healthy step",
-                "PASS" if max(counts) == 0 else "FAIL",
-            ))  # fmt: skip
-            error: str | None = None
-            try:
-                with backend.sync_debug("error"):
-                    for _ in range(sizes.sync_steps):
-                        step()
-            except RuntimeError as e:  # the sync debug mode's error
-                error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            rows.append(Row(
-                f"(g) set_sync_debug_mode('error'), {name}, {precision}",
-                "no error" if error is None else error, "no error",
-                "PASS" if error is None else "FAIL",
-            ))  # fmt: skip
+            rows.append(no_sync_row(f"(g) syncs per deferred step, {name}, {precision}", per_step))
+            rows.append(error_mode_row(backend, f"(g) set_sync_debug_mode('error'), {name}, "
+                                       f"{precision}", step, sizes.sync_steps))  # fmt: skip
             guard.close()
             exact, g_exact = guarded(backend, cfg, batch, precision)
             deferred, g_def = guarded(backend, cfg, batch, precision, sync="deferred")
